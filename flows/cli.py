@@ -1,0 +1,120 @@
+"""The `paperline` command: list, run, report, ui, serve. Bad input exits with code 2 before any work."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Annotated
+
+import typer
+
+from tasks.settings import configure_environment
+
+configure_environment()
+
+from models import registry  # noqa: E402
+from tasks import settings  # noqa: E402
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Reproduce, retrain and compare the ICML 2026 paper pipelines.")
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.secho(f"error: {message}", err=True, fg="red")
+    raise typer.Exit(code)
+
+
+@app.command("list")
+def list_papers() -> None:
+    """Paper ids, titles and the last smoke verdict."""
+    from flows.report import latest_run
+
+    for pid, paper in registry.papers().items():
+        run = latest_run(pid, None)
+        verdict = "-" if run is None else ("holds" if run.data.tags.get("claim.holds") == "true" else "does not hold")
+        typer.echo(f"{pid:24s} {verdict:14s} {paper.title}")
+
+
+@app.command()
+def run(
+    papers: Annotated[list[str] | None, typer.Argument(help="Paper ids (see `paperline list`).")] = None,
+    all_papers: Annotated[bool, typer.Option("--all", help="Every registered paper.")] = False,
+    profile: Annotated[str, typer.Option(help="test | smoke | full")] = "smoke",
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a parameter: key=value.")] = None,
+    force: Annotated[bool, typer.Option(help="Retrain even if an identical earlier run exists.")] = False,
+    report: Annotated[bool, typer.Option(help="Write the scoreboard afterwards.")] = False,
+) -> None:
+    """Run paper pipelines (prepare -> train -> evaluate -> claim); each ends with its claim line."""
+    ids = list(registry.papers()) if all_papers else list(papers or [])
+    if not ids:
+        _fail("name paper ids or pass --all")
+    try:
+        overrides = registry.parse_overrides(set_)
+        for pid in ids:  # every id, profile and override checked before any work
+            registry.resolve(pid, profile, overrides, settings.params_file())
+    except registry.ConfigError as e:
+        _fail(str(e))
+    from flows.pipeline import run_papers
+
+    results = run_papers(ids, profile, overrides, force)
+    failed = [r for r in results if "error" in r]
+    if len(results) > 1:
+        typer.echo("\nsummary:")
+        for r in results:
+            status = f"FAILED {r['error']}" if "error" in r else \
+                f"{'holds' if r['holds'] else 'does not hold'}{' (reused)' if r['reused'] else ''}"
+            typer.echo(f"  {r['paper']:24s} {status}")
+    if report:
+        _write_report(profile)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _write_report(profile: str | None) -> None:
+    from flows.report import scoreboard, write
+
+    md, html = write(scoreboard(profile))
+    typer.echo(md.read_text())
+    typer.echo(f"scoreboard written to {md} and {html}")
+
+
+@app.command()
+def report(profile: Annotated[str, typer.Option(help="Latest run of this profile; 'any' for any.")] = "smoke") -> None:
+    """Write the scoreboard (Markdown + HTML) from the latest finished run of every paper."""
+    _write_report(None if profile == "any" else profile)
+
+
+@app.command()
+def ui(port: Annotated[int, typer.Option()] = 5000) -> None:
+    """Serve the MLflow UI on 127.0.0.1 over the tracking store."""
+    store = settings.tracking_uri()
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    typer.echo(f"MLflow UI on http://127.0.0.1:{port} (store {store})")
+    subprocess.run([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", store, "--default-artifact-root",
+                    settings.artifact_root().as_uri(), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                   env=env, check=False)
+
+
+@app.command()
+def serve(
+    cron: Annotated[str, typer.Option(help="Nightly retraining schedule.")] = "0 2 * * *",
+    timezone: Annotated[str, typer.Option(help="IANA timezone of the schedule.")] = "UTC",
+    papers: Annotated[list[str] | None, typer.Option("--paper", help="Papers the nightly run retrains.")] = None,
+) -> None:
+    """Serve the deployments (one per paper + the nightly suite) against PREFECT_API_URL."""
+    from flows.serve import deployments, serve_all
+
+    try:
+        deployments(cron, timezone, papers)
+    except registry.ConfigError as e:
+        _fail(str(e))
+    serve_all(cron, timezone, papers)
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app()
+
+
+if __name__ == "__main__":
+    app()

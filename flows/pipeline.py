@@ -1,0 +1,137 @@
+"""The Prefect flows: `paper_pipeline` (prepare -> train -> evaluate -> claim, one MLflow run) and `suite`."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tasks.settings import configure_environment
+
+configure_environment()
+
+from mlflow.entities import Param, RunStatus, RunTag  # noqa: E402
+from prefect import flow, get_run_logger, runtime  # noqa: E402
+
+from models import registry  # noqa: E402
+from tasks import data, settings, tracking  # noqa: E402
+from tasks.steps import evaluate_task, prepare_task, train_task  # noqa: E402
+from tasks.train import TrainJob  # noqa: E402
+
+
+@dataclass
+class PipelineResult:
+    paper: str
+    profile: str
+    run_id: str
+    reused: bool
+    holds: bool
+    claim_text: str
+    claim_numbers: str
+    data_hash: str
+    seconds: float
+
+    def claim_line(self) -> str:
+        verdict = "holds" if self.holds else "does not hold"
+        return f"claim {self.paper}: {self.claim_text} -> {verdict}\n  {self.claim_numbers}"
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@flow(name="paper-pipeline", log_prints=False)
+def paper_pipeline(paper: str, profile: str = "smoke", overrides: dict[str, Any] | None = None,
+                   force: bool = False) -> dict:
+    """One paper end to end. Reuses the earlier MLflow run when code, params and data are unchanged (unless force)."""
+    start = time.perf_counter()
+    spec = registry.get(paper)
+    overrides = registry.parse_overrides(overrides)
+    params = registry.resolve(paper, profile, overrides, settings.params_file())
+    tracking.check_reachable()
+    is_default = profile == data.DEFAULT_PROFILE and not overrides
+
+    _say(f"[{paper}] prepare: DVC stage {'prepare@' + paper if is_default else profile + ' variant'}")
+    prepared = prepare_task(spec, profile, params, is_default, force=False)
+    _say(f"[{paper}] data {prepared.data_hash} ({'prepared' if prepared.ran else 'up to date'}, "
+         f"{prepared.seconds:.1f}s)")
+
+    exp_id = tracking.experiment_id(paper)
+    tracking.mark_orphans_killed(exp_id)
+    resolved = params.model_dump(mode="json")
+    module_file = sys.modules[f"models.{paper}"].__file__
+    key = tracking.cache_key(tracking.code_hash(Path(module_file)),
+                             {"profile": profile, "params": resolved}, prepared.data_hash)
+    cached = None if force else tracking.find_cached(exp_id, key)
+    if cached is not None:
+        tags = cached.data.tags
+        result = PipelineResult(paper, profile, cached.info.run_id, True, tags.get("claim.holds") == "true",
+                                tags.get("claim.text", ""), tags.get("claim.numbers", ""), prepared.data_hash,
+                                time.perf_counter() - start)
+        _say(f"[{paper}] unchanged code, params and data: reusing run {cached.info.run_id} (use --force to retrain)")
+        print(result.claim_line(), flush=True)
+        return asdict(result)
+
+    client = tracking.client()
+    tags = {
+        "paperline.paper": paper, "paperline.profile": profile, "paperline.cache_key": key,
+        "paperline.data_hash": prepared.data_hash, "paperline.data_stage": prepared.stage.target,
+        "paperline.world_size": str(params.ranks), "paperline.pid": str(os.getpid()),
+        "paperline.overrides": ",".join(f"{k}={v}" for k, v in overrides.items()),
+        "mlflow.source.git.commit": tracking.git_commit(),
+        "prefect.flow_run_id": str(runtime.flow_run.id or ""),
+        "mlflow.runName": f"{paper}-{profile}",
+    }
+    run = client.create_run(exp_id, run_name=f"{paper}-{profile}", tags=tags)
+    run_id = run.info.run_id
+    try:
+        client.log_batch(run_id, params=[Param(k, v[:6000]) for k, v in tracking.flatten(resolved).items()],
+                         tags=[RunTag("paperline.claim.spec", spec.claim.text()[:5000])])
+        out_dir = settings.runs_dir() / paper / run_id
+        _say(f"[{paper}] train: {params.ranks} DeepSpeed rank(s), MLflow run {run_id}")
+        job = TrainJob(paper, params, prepared.stage.out_dir, out_dir, run_id, settings.tracking_uri())
+        train_task(job)
+        _say(f"[{paper}] evaluate: method and baselines")
+        _, claim = evaluate_task(spec, params, prepared.stage.out_dir, out_dir, run_id)
+        client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
+    except BaseException:
+        client.set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
+        raise
+    result = PipelineResult(paper, profile, run_id, False, claim.holds, claim.text, claim.numbers,
+                            prepared.data_hash, time.perf_counter() - start)
+    try:
+        get_run_logger().info("claim %s holds=%s", paper, claim.holds)
+    except Exception:  # noqa: BLE001 - logging outside a run context is optional
+        pass
+    print(result.claim_line(), flush=True)
+    return asdict(result)
+
+
+@flow(name="suite")
+def suite(papers: list[str] | None = None, profile: str = "smoke", force: bool = False) -> list[dict]:
+    """Every given paper (default: all registered) in turn; one paper's failure is reported, not fatal."""
+    ids = papers or list(registry.papers())
+    for pid in ids:  # validate every id and profile before any work
+        registry.resolve(pid, profile, None, settings.params_file())
+    results: list[dict] = []
+    for i, pid in enumerate(ids, 1):
+        _say(f"=== [{i}/{len(ids)}] {pid} ({profile}) ===")
+        try:
+            results.append(paper_pipeline(pid, profile, None, force))
+        except Exception as e:  # noqa: BLE001 - report and continue with the next paper
+            _say(f"[{pid}] FAILED: {type(e).__name__}: {e}")
+            results.append({"paper": pid, "profile": profile, "error": f"{type(e).__name__}: {e}"})
+    return results
+
+
+def run_papers(ids: list[str], profile: str, overrides: Mapping[str, Any] | None, force: bool) -> list[dict]:
+    """CLI entry: one flow run per paper, or the suite flow for several."""
+    if len(ids) == 1:
+        return [paper_pipeline(ids[0], profile, dict(overrides or {}), force)]
+    if overrides:
+        raise registry.ConfigError("--set applies to one paper at a time")
+    return suite(ids, profile, force)

@@ -1,0 +1,35 @@
+"""Deployments: one on-demand `paper-pipeline/<id>` per paper and the nightly `suite/nightly` on a cron schedule.
+
+`paperline serve` runs them in this process against the Prefect API in `PREFECT_API_URL` (see infra/README.md
+for starting a server). Trigger with `prefect deployment run 'paper-pipeline/sei'`.
+"""
+
+from __future__ import annotations
+
+from prefect import serve
+from prefect.client.schemas.schedules import CronSchedule
+
+from flows.pipeline import paper_pipeline, suite
+from models import registry
+
+DEFAULT_CRON = "0 2 * * *"
+
+
+def deployments(cron: str = DEFAULT_CRON, timezone: str = "UTC", papers: list[str] | None = None) -> list:
+    try:
+        schedule = CronSchedule(cron=cron, timezone=timezone)
+    except ValueError as e:
+        raise registry.ConfigError(f"cron schedule {cron!r} / timezone {timezone!r} does not parse "
+                                   f"(expected e.g. '0 2 * * *' and 'Europe/Paris'): {e}") from None
+    ids = papers or list(registry.papers())
+    for pid in ids:
+        registry.get(pid)
+    on_demand = [paper_pipeline.to_deployment(name=pid, parameters={"paper": pid, "profile": "smoke"},
+                                              tags=["paperline", pid]) for pid in ids]
+    nightly = suite.to_deployment(name="nightly", schedule=schedule, parameters={"papers": ids, "profile": "smoke"},
+                                  tags=["paperline", "nightly"])
+    return [*on_demand, nightly]
+
+
+def serve_all(cron: str = DEFAULT_CRON, timezone: str = "UTC", papers: list[str] | None = None) -> None:
+    serve(*deployments(cron, timezone, papers), pause_on_shutdown=False)

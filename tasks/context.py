@@ -1,0 +1,194 @@
+"""The train and evaluate contexts a paper receives: DeepSpeed engines, the one training loop, checkpoints, logging.
+
+The loop (`TrainContext.fit`) is the only training loop in the project. Papers give it a `step_fn` (forward + loss
+on a batch) and a `batch_fn` (the global batch of a step, drawn from a generator seeded by the step number so a
+resumed run sees exactly the batches it would have seen). Each rank trains on its slice of the global batch;
+DeepSpeed averages the gradients.
+
+Checkpoints (one folder per `fit` phase): DeepSpeed writes `step<N>` with `save_latest=False`; after every rank
+returned, rank 0 commits it by atomically replacing `committed.json`. Resume loads the committed tag explicitly.
+Metrics are buffered and flushed to MLflow when a checkpoint commits, so steps replayed after a crash never log twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from models.contract import PaperParams
+
+Batch = Mapping[str, torch.Tensor]
+StepFn = Callable[[Any, Batch, int], tuple[torch.Tensor, Mapping[str, float]]]
+
+
+class MetricSink:
+    """Rank 0's buffered connection to the MLflow run; `None` run id logs nowhere (in-process tests)."""
+
+    def __init__(self, tracking_uri: str | None, run_id: str | None):
+        self.run_id = run_id
+        self._buffer: list[tuple[str, float, int]] = []
+        self._client = None
+        if run_id:
+            from mlflow import MlflowClient
+
+            self._client = MlflowClient(tracking_uri)
+
+    def add(self, metrics: Mapping[str, float], step: int) -> None:
+        self._buffer.extend((k, float(v), step) for k, v in metrics.items())
+
+    def flush(self) -> None:
+        if self._client and self._buffer:
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            batch = [Metric(k, v, now, s) for k, v, s in self._buffer]
+            for i in range(0, len(batch), 900):  # MLflow caps a batch at 1000 metrics
+                self._client.log_batch(self.run_id, metrics=batch[i : i + 900])
+        self._buffer.clear()
+
+    def drop(self) -> None:
+        self._buffer.clear()
+
+
+@dataclass
+class TrainContext:
+    params: PaperParams
+    data_dir: Path
+    out_dir: Path
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    sink: MetricSink = field(default_factory=lambda: MetricSink(None, None))
+    label: str = ""
+
+    # ---- engines -------------------------------------------------------------------------------------------
+    def engine(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0) -> Any:
+        """Wrap a single-device module in a DeepSpeed engine (client AdamW: exact resume, no fused-op build)."""
+        import deepspeed
+
+        p = self.params
+        config = {
+            "train_micro_batch_size_per_gpu": 1,  # we feed batches ourselves; DeepSpeed only needs a number
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": p.zero_stage},
+            "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": bool(p.bf16 and self.device.type == "cuda")},
+            "steps_per_print": 10**9,
+        }
+        model = model.to(self.device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        return engine
+
+    # ---- the training loop ---------------------------------------------------------------------------------
+    def fit(self, name: str, engine: Any, step_fn: StepFn, batch_fn: Callable[[int], Batch], num_steps: int,
+            state: dict[str, torch.Tensor] | None = None, log_every: int = 10) -> None:
+        """Train `num_steps` steps, resuming from this phase's committed checkpoint.
+
+        `state`: tensors a paper fills while training (e.g. per-sample statistics), initialised with NaN; each rank
+        writes the entries of its own samples and every checkpoint merges them across ranks (first non-NaN wins),
+        so after `fit` returns every rank holds the complete tensors, and they survive a restart."""
+        ckpt_dir = self.out_dir / "checkpoints" / name
+        start = self._resume(ckpt_dir, engine, state)
+        if start >= num_steps:
+            self.progress(f"phase {name}: complete in checkpoint ({num_steps} steps), not retrained")
+            return
+        if start:
+            self.progress(f"phase {name}: resumed at step {start}/{num_steps}")
+            self.sink.add({f"train/{name}/resumed_at_step": start}, start)
+        every = self.params.checkpoint_every
+        t0, window = time.perf_counter(), []
+        report_every = max(log_every, num_steps // 10)  # about ten progress lines per phase
+        for step in range(start, num_steps):
+            torch.manual_seed(self.params.seed * 1_000_003 + step)  # dropout etc. depend on the step only
+            local = self._shard(batch_fn(step))
+            loss, metrics = step_fn(engine, local, step)
+            engine.backward(loss)
+            engine.step()
+            window.append(float(loss.detach()))
+            if (step + 1) % log_every == 0 or step + 1 == num_steps:
+                logged = {"loss": sum(window) / len(window), **{k: float(v) for k, v in metrics.items()}}
+                self.log({f"train/{name}/{k}": v for k, v in logged.items()}, step)
+                window = []
+            if (step + 1) % report_every == 0 or step + 1 == num_steps:
+                rate = (step + 1 - start) / (time.perf_counter() - t0)
+                self.progress(f"phase {name}: step {step + 1}/{num_steps} loss {float(loss):.4f} ({rate:.1f} it/s)")
+            if (step + 1) % every == 0 or step + 1 == num_steps:
+                self._checkpoint(ckpt_dir, engine, step + 1, state)
+
+    def _shard(self, batch: Batch) -> dict[str, torch.Tensor]:
+        return {k: v[self.rank :: self.world_size].to(self.device) for k, v in batch.items()}
+
+    def _checkpoint(self, ckpt_dir: Path, engine: Any, step: int, state: dict[str, torch.Tensor] | None) -> None:
+        tag = f"step{step}"
+        self._merge_state(state)
+        client = {"step": step, "state": {k: v.cpu() for k, v in (state or {}).items()}}
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False)
+        self.barrier()
+        if self.rank == 0:
+            marker = ckpt_dir / "committed.json"
+            tmp = marker.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"tag": tag, "step": step}))
+            os.replace(tmp, marker)
+            self.sink.flush()  # metrics up to this step are now safe from replay
+        self.barrier()
+
+    def _merge_state(self, state: dict[str, torch.Tensor] | None) -> None:
+        if self.world_size == 1 or not state:
+            return
+        for tensor in state.values():
+            parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+            dist.all_gather(parts, tensor.contiguous())
+            for part in parts:
+                tensor.copy_(torch.where(torch.isnan(tensor), part, tensor))
+
+    def _resume(self, ckpt_dir: Path, engine: Any, state: dict[str, torch.Tensor] | None) -> int:
+        marker = ckpt_dir / "committed.json"
+        if not marker.exists():
+            return 0
+        tag = json.loads(marker.read_text())["tag"]
+        _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+        for key, value in client["state"].items():
+            if state is not None and key in state:
+                state[key].copy_(value)
+        self.sink.drop()
+        return int(client["step"])
+
+    # ---- communication and reporting -----------------------------------------------------------------------
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if self.rank == 0:
+            self.sink.add(metrics, step)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def progress(self, message: str) -> None:
+        if self.rank == 0:
+            print(f"[{self.label or 'train'}] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class EvalContext:
+    params: PaperParams
+    data_dir: Path
+    out_dir: Path
+    plots_dir: Path
+    label: str = ""
+
+    def progress(self, message: str) -> None:
+        print(f"[{self.label or 'evaluate'}] {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,70 @@
+"""Where things live: the project root, the embedded MLflow store, and the tool state kept inside the project.
+
+`PAPERLINE_ROOT` points the whole pipeline at another workspace (tests use a temporary copy). Everything the tools
+would write under `~` by default (Prefect home, torch extension builds, DVC site cache) stays inside the root.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+_PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+
+
+def root() -> Path:
+    return Path(os.environ.get("PAPERLINE_ROOT", _PACKAGE_ROOT)).resolve()
+
+
+def params_file() -> Path:
+    return root() / "params.yaml"
+
+
+def tracking_uri() -> str:
+    """`MLFLOW_TRACKING_URI` if set (a server), else the embedded SQLite store (absolute: four slashes)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root() / 'mlflow.db'}"
+
+
+def artifact_root() -> Path:
+    return root() / "mlartifacts"
+
+
+def runs_dir() -> Path:
+    """Run-scoped output folders (checkpoints, train outputs), one per MLflow run id."""
+    return root() / "runs"
+
+
+def configure_environment() -> None:
+    """Keep tool state inside the project and quiet; called once by the CLI and the flows before any tool import."""
+    r = root()
+    # torch extensions (DeepSpeed's CPU ops) are a machine-wide build cache, shared by every workspace.
+    defaults = {
+        "PREFECT_HOME": str(r / ".prefect"),
+        "TORCH_EXTENSIONS_DIR": str(_PACKAGE_ROOT / ".cache" / "torch_extensions"),
+        "DVC_SITE_CACHE_DIR": str(r / ".dvc" / "site-cache"),
+        "DS_ACCELERATOR": "cpu" if not _has_cuda() else "cuda",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "GIT_PYTHON_REFRESH": "quiet",
+    }
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    # DVC stages run `python ...` through a shell: make that the interpreter running paperline, venv or not.
+    bin_dir = str(Path(sys.executable).parent)
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != bin_dir:
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - torch missing or broken: CPU it is
+        return False

@@ -1,0 +1,113 @@
+"""MLflow tracking with explicit run ids (never the per-thread "active run"): one experiment per paper, one run per
+pipeline run, and the cache lookup that lets an unchanged rerun reuse its earlier result.
+
+The cache key (documented in the README) is sha256 over: the paper's source and the shared runtime code, the
+resolved params (profile + overrides), and the DVC data hash. It is the only "already ran" check above DVC.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+
+import mlflow
+from mlflow import MlflowClient
+from mlflow.entities import RunStatus
+
+from tasks import settings
+
+CODE_ROOTS = ("tasks", "models/common", "models/contract.py", "models/registry.py", "kernels")
+TAG = "paperline."
+
+
+def client() -> MlflowClient:
+    uri = settings.tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    return MlflowClient(uri)
+
+
+def check_reachable() -> None:
+    """Fail before any work when the tracking server is down, with what to do about it."""
+    try:
+        client().search_experiments(max_results=1)
+    except Exception as e:  # noqa: BLE001 - any failure here means "cannot track"
+        raise RuntimeError(f"MLflow tracking at {settings.tracking_uri()} is unreachable ({type(e).__name__}: {e}). "
+                           "Start the server or unset MLFLOW_TRACKING_URI to use the embedded store.") from None
+
+
+def experiment_id(paper_id: str) -> str:
+    c, name = client(), f"paperline/{paper_id}"
+    found = c.get_experiment_by_name(name)
+    if found:
+        return found.experiment_id
+    location = (settings.artifact_root() / paper_id).as_uri()
+    return c.create_experiment(name, artifact_location=location, tags={"paperline.paper": paper_id})
+
+
+def code_hash(paper_module_file: Path) -> str:
+    digest = hashlib.sha256()
+    package_root = Path(__file__).resolve().parents[1]
+    files = [paper_module_file]
+    for entry in CODE_ROOTS:
+        path = package_root / entry
+        files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    for f in files:
+        digest.update(f.name.encode())
+        digest.update(f.read_bytes())
+    return digest.hexdigest()
+
+
+def cache_key(code: str, params: Mapping, data_hash: str) -> str:
+    blob = json.dumps({"code": code, "params": params, "data": data_hash}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def find_cached(exp_id: str, key: str):
+    runs = client().search_runs([exp_id], filter_string=f"tags.`{TAG}cache_key` = '{key}' and "
+                                f"attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"],
+                                max_results=1)
+    return runs[0] if runs else None
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parents[1],
+                             capture_output=True, text=True, timeout=5)
+        commit = out.stdout.strip() or "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=Path(__file__).resolve().parents[1], timeout=5).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def flatten(params: Mapping, prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in params.items():
+        if isinstance(v, Mapping):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = str(v)
+    return out
+
+
+def mark_orphans_killed(exp_id: str) -> list[str]:
+    """Runs left RUNNING by a killed pipeline are marked KILLED on the next start, so the UI tells the truth."""
+    c = client()
+    stale = c.search_runs([exp_id], filter_string="attributes.status = 'RUNNING'", max_results=100)
+    alive = _alive_pids()
+    killed = []
+    for run in stale:
+        pid = run.data.tags.get(f"{TAG}pid")
+        if pid and int(pid) in alive:
+            continue
+        c.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.KILLED))
+        killed.append(run.info.run_id)
+    return killed
+
+
+def _alive_pids() -> set[int]:
+    return {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()}

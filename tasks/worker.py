@@ -1,0 +1,81 @@
+"""The entry point every DeepSpeed rank runs: `python -m tasks.worker <spec.json>` (launched by `tasks.train`).
+
+It joins the process group, builds the paper's `TrainContext` and calls `paper.train(ctx)`. Only rank 0 talks to
+MLflow. `train_in_process` runs the same thing as a single rank inside the caller (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from models import registry
+from tasks.context import MetricSink, TrainContext
+
+DONE_MARKER = "TRAIN_DONE"
+
+
+def _device(local_rank: int) -> torch.device:
+    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _init_distributed() -> None:
+    """Join (or, in-process, create) the process group: gloo on CPU, NCCL on GPUs, a short timeout so a dead
+    rank fails the job in minutes instead of gloo's 30-minute default."""
+    import deepspeed
+
+    if dist.is_initialized():
+        return
+    if "MASTER_ADDR" not in os.environ:  # single in-process rank: a private one-member group
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(backend, timeout=timedelta(seconds=int(os.environ.get("PAPERLINE_DIST_TIMEOUT", 120))))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(spec: dict) -> None:
+    paper = registry.get(spec["paper"])
+    params = paper.Params.model_validate(spec["params"])
+    _init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.manual_seed(params.seed)
+    torch.set_num_threads(max(1, int(spec.get("threads_per_rank", 1))))
+    sink = MetricSink(spec.get("tracking_uri"), spec.get("run_id") if rank == 0 else None)
+    out_dir = Path(spec["out_dir"])
+    ctx = TrainContext(params=params, data_dir=Path(spec["data_dir"]), out_dir=out_dir, rank=rank,
+                       world_size=world, device=_device(local_rank), sink=sink, label=f"{paper.id} train")
+    paper.train(ctx)
+    sink.flush()
+    ctx.barrier()
+    if rank == 0:
+        (out_dir / DONE_MARKER).write_text("ok")
+
+
+def train_in_process(paper_id: str, params, data_dir: Path, out_dir: Path) -> None:
+    """One rank in this process, no MLflow: the registry-wide test and benchmarks' bare reference."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run({"paper": paper_id, "params": params.model_dump(mode="json"), "data_dir": str(data_dir),
+         "out_dir": str(out_dir), "threads_per_rank": torch.get_num_threads()})
+
+
+if __name__ == "__main__":
+    from tasks.settings import configure_environment
+
+    configure_environment()
+    run(json.loads(Path(sys.argv[1]).read_text()))
+    if dist.is_initialized():
+        dist.destroy_process_group()
