@@ -50,15 +50,15 @@ def get(paper_id: str) -> Paper:
     return known[paper_id]
 
 
-def load_params_file(path: Path) -> dict[str, Any]:
+def load_params_file(path: Path, require_papers: bool = True) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError as e:
         raise ConfigError(f"{path} not found: run from the project root or set PAPERLINE_ROOT") from e
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {e}") from e
-    if not isinstance(data, dict) or not isinstance(data.get("papers"), dict):
-        raise ConfigError(f"{path}: expected a top-level mapping with a 'papers' key")
+    if not isinstance(data, dict) or (require_papers and not isinstance(data.get("papers"), dict)):
+        raise ConfigError(f"{path}: expected a top-level mapping" + (" with a 'papers' key" if require_papers else ""))
     return data
 
 

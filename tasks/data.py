@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import time
-from contextlib import contextmanager
+from contextlib import chdir, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +72,9 @@ def reproduce(stage: DataStage, force: bool = False) -> PreparedData:
     from dvc.repo import Repo
 
     start = time.perf_counter()
-    with dvc_lock(), Repo(str(settings.root())) as repo:
+    # DVC resolves stage paths against the current directory, so work from the repo root (under the lock,
+    # which also serialises every DVC call of this process and others).
+    with dvc_lock(), chdir(settings.root()), Repo(str(settings.root())) as repo:
         before = locked_hash(stage)
         ran = bool(repo.reproduce(targets=[stage.target], force=force))
     data_hash = locked_hash(stage)

@@ -16,7 +16,7 @@ from models import registry
 
 def run_prepare(paper_id: str, params_key: str, out_dir: Path, params_path: Path = Path("params.yaml")) -> None:
     paper = registry.get(paper_id)
-    section: object = registry.load_params_file(params_path)
+    section: object = registry.load_params_file(params_path, require_papers=False)
     for part in params_key.split("."):
         if not isinstance(section, dict) or part not in section:
             raise registry.ConfigError(f"{params_path}: missing section {params_key}")

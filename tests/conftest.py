@@ -1,0 +1,48 @@
+"""Shared fixtures. Tests never touch the user's workspace: pipeline tests run in a temporary copy of the project's
+DVC/params files (`workspace`), with their own MLflow store and Prefect home."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PROJECT = Path(__file__).resolve().parents[1]
+os.environ["PREFECT_HOME"] = str(PROJECT / ".cache" / "test-prefect-home")
+os.environ.setdefault("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", "true")
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+from tasks.settings import configure_environment  # noqa: E402
+
+configure_environment()
+
+
+def make_workspace(path: Path) -> Path:
+    """A DVC project holding this project's dvc.yaml, params.yaml and the files its stages depend on."""
+    for name in ("dvc.yaml", "params.yaml"):
+        shutil.copy(PROJECT / name, path / name)
+    shutil.copytree(PROJECT / "models", path / "models", ignore=shutil.ignore_patterns("__pycache__"))
+    (path / "tasks").mkdir()
+    shutil.copy(PROJECT / "tasks" / "prepare_stage.py", path / "tasks" / "prepare_stage.py")
+    subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=path, check=True)
+    return path
+
+
+@pytest.fixture
+def workspace(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("PAPERLINE_ROOT", str(tmp_path))
+    monkeypatch.setenv("DVC_SITE_CACHE_DIR", str(tmp_path / ".dvc" / "site-cache"))
+    return make_workspace(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One temporary Prefect API for the whole session (starting one costs seconds)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

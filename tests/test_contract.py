@@ -1,0 +1,79 @@
+"""The contract, the registry, params validation and the CLI's handling of bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from flows.cli import app
+from models import registry
+from models.contract import Claim, Compare, Paper
+from tests.conftest import PROJECT
+
+
+def test_registry_matches_model_files_and_params():
+    ids = set(registry.papers())
+    files = {p.stem for p in (PROJECT / "models").glob("*.py")} - {"__init__", "contract", "registry"}
+    assert ids == files
+    params = yaml.safe_load((PROJECT / "params.yaml").read_text())["papers"]
+    assert set(params) == ids, "every registered paper needs a params.yaml section (and the DVC foreach uses it)"
+    for pid, paper in registry.papers().items():
+        assert isinstance(paper, Paper) and paper.id == pid
+        for profile in registry.PROFILES:
+            p = registry.resolve(pid, profile, None, PROJECT / "params.yaml")
+            assert isinstance(p.seed, int)
+
+
+def test_dvc_stage_is_one_foreach_over_papers():
+    stage = yaml.safe_load((PROJECT / "dvc.yaml").read_text())["stages"]["prepare"]
+    assert stage["foreach"] == "${papers}"
+    assert stage["do"]["outs"] == ["data/${key}"]
+    assert "models/${key}.py" in stage["do"]["deps"]
+
+
+@pytest.mark.parametrize(("overrides", "culprit"), [
+    ({"no_such_key": 1}, "papers.sei.smoke.no_such_key: unknown key"),
+    ({"epochs": "many"}, "papers.sei.smoke.epochs"),
+    ({"epochs": 0}, "papers.sei.smoke.epochs"),
+    ({"settings": [{"type": "diagonal", "eta": 0.1}]}, "papers.sei.smoke.settings.0.type"),
+])
+def test_bad_params_name_the_key(overrides, culprit):
+    with pytest.raises(registry.ConfigError, match=culprit.replace(".", r"\.")):
+        registry.resolve("sei", "smoke", overrides, PROJECT / "params.yaml")
+
+
+def test_bad_id_and_profile():
+    with pytest.raises(registry.ConfigError, match="unknown paper id 'nope'.*sei"):
+        registry.get("nope")
+    with pytest.raises(registry.ConfigError, match="unknown profile 'huge'"):
+        registry.resolve("sei", "huge", None, PROJECT / "params.yaml")
+
+
+def test_overrides_parse_as_yaml_scalars():
+    assert registry.parse_overrides(["eta=0.3", "epochs=5", "name=x"]) == {"eta": 0.3, "epochs": 5, "name": "x"}
+    with pytest.raises(registry.ConfigError, match="key=value"):
+        registry.parse_overrides(["epochs"])
+
+
+@pytest.mark.parametrize("args", [["run", "nope"], ["run", "sei", "--set", "epochs=-1"],
+                                  ["run", "sei", "--profile", "huge"], ["run", "sei", "--set", "bogus=1"]])
+def test_cli_bad_input_exits_2_and_writes_nothing(workspace, args):
+    before = sorted(p.relative_to(workspace) for p in workspace.rglob("*"))
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "error:" in result.output
+    assert sorted(p.relative_to(workspace) for p in workspace.rglob("*")) == before
+
+
+def test_claim_takes_best_of_several_and_needs_its_metrics():
+    claim = Claim(all_of=(Compare("method/a", ">", ("baseline/x/a", "baseline/y/a")), Compare("method/l", "<", "b/l")))
+    result = claim.evaluate({"method/a": 0.8, "baseline/x/a": 0.7, "baseline/y/a": 0.75, "method/l": 1.0, "b/l": 2.0})
+    assert result.holds and "baseline/y/a" in result.numbers
+    assert not claim.evaluate({"method/a": 0.72, "baseline/x/a": 0.7, "baseline/y/a": 0.75,
+                               "method/l": 1.0, "b/l": 2.0}).holds
+    assert "baseline/{x,y}/a" in claim.text()
+    with pytest.raises(KeyError, match="baseline/y/a"):
+        claim.evaluate({"method/a": 1.0, "baseline/x/a": 0.0, "method/l": 0.0, "b/l": math.inf})

@@ -1,0 +1,72 @@
+"""SEI's mechanism on tiny inputs: the statistic's sign and magnitude, the records, the baselines, the noise."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from models import sei
+
+
+def test_record_step_matches_hand_computation():
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.0, 0.0, 3.0]])
+    labels = torch.tensor([0, 1])
+    rec = sei.record_step(logits, labels)
+    p = logits.softmax(-1)
+    assert torch.allclose(rec["entropy"], -(p * p.log()).sum(-1))
+    assert torch.allclose(rec["prob_margin"], torch.stack([p[0, 0] - p[0, 1], p[1, 1] - p[1, 2]]))
+    assert torch.allclose(rec["logit_margin"], torch.tensor([2.0, -3.0]))
+    assert torch.equal(rec["correct"], torch.tensor([1.0, 0.0]))
+    assert torch.allclose(rec["loss"], torch.nn.functional.cross_entropy(logits, labels, reduction="none"))
+
+
+def test_sei_sign_and_magnitude():
+    epochs = 5
+    # clean: agrees with its label, entropy shrinking -> small positive SEI
+    clean_h, clean_m = np.linspace(1.0, 0.1, epochs), np.full(epochs, 0.5)
+    # mislabeled: disagrees, high entropy throughout -> clearly negative SEI
+    noisy_h, noisy_m = np.full(epochs, 1.5), np.full(epochs, -0.3)
+    values = sei.signed_entropy_integral(np.stack([clean_h, noisy_h], 1), np.stack([clean_m, noisy_m], 1))
+    assert np.isclose(values[0], clean_h.mean()) and values[0] > 0
+    assert np.isclose(values[1], -1.5)
+    assert values.argmin() == 1  # lowest SEI = most likely mislabeled
+    # sign(0) = +1, and a flip of the margin sign in one epoch moves SEI by 2 H_e / E
+    tie = sei.signed_entropy_integral(np.ones((4, 1)), np.array([[0.0], [0.0], [0.0], [0.0]]))
+    assert tie[0] == 1.0
+    flipped = sei.signed_entropy_integral(np.ones((4, 1)), np.array([[-0.1], [0.0], [0.0], [0.0]]))
+    assert np.isclose(tie[0] - flipped[0], 2 / 4)
+
+
+def test_forgetting_counts_transitions_and_never_learned_is_max():
+    correct = np.array([[1, 0, 0], [0, 0, 1], [1, 0, 1], [0, 0, 1]])  # (E=4, N=3)
+    assert sei.forgetting_events(correct).tolist() == [2.0, 4.0, 0.0]
+
+
+def test_hard_decision_uses_threshold_99th_percentile():
+    values = np.array([-2.0, -1.0, 0.5, 1.0, -1.5, -1.2])
+    is_threshold = np.array([False, False, False, False, True, True])
+    flagged = sei.hard_decision(values, is_threshold)
+    assert flagged.tolist() == [True, False, False, False, True, False]
+
+
+def test_noise_injection_rates_and_pairs():
+    labels = np.repeat(np.arange(10), 50)
+    rng = np.random.default_rng(0)
+    sym = sei.inject_noise(labels, sei.NoiseSetting(type="symmetric", eta=0.4), 10, rng)
+    assert (sym != labels).sum() == 200  # exactly eta * n, never flipped onto the same class
+    asym = sei.inject_noise(labels, sei.NoiseSetting(type="asymmetric", eta=0.2), 10, rng)
+    changed = asym != labels
+    assert all(sei.PAIR_FLIPS[a] == b for a, b in zip(labels[changed], asym[changed], strict=True))
+    assert changed.sum() == 8 * 10 and not changed[np.isin(labels, [0, 2])].any()
+
+
+def test_detection_scores_rank_a_mislabeled_sample_first():
+    e, n = 6, 3
+    stats = {"entropy": np.full((e, n), 0.2), "prob_margin": np.full((e, n), 0.6),
+             "logit_margin": np.full((e, n), 3.0), "loss": np.full((e, n), 0.1), "correct": np.ones((e, n))}
+    for key, value in (("entropy", 1.8), ("prob_margin", -0.4), ("logit_margin", -1.0), ("loss", 2.0),
+                       ("correct", 0.0)):
+        stats[key][:, 1] = value
+    scores = sei.detection_scores(stats, cl_confidence=np.array([0.9, 0.1, 0.8]))
+    for name, score in scores.items():
+        assert score.argmax() == 1, name
