@@ -94,9 +94,15 @@ def paper_pipeline(paper: str, profile: str = "smoke", overrides: dict[str, Any]
         out_dir = settings.runs_dir() / paper / run_id
         _say(f"[{paper}] train: {params.ranks} DeepSpeed rank(s), MLflow run {run_id}")
         job = TrainJob(paper, params, prepared.stage.out_dir, out_dir, run_id, settings.tracking_uri())
+        t_train = time.perf_counter()
         train_task(job)
+        t_eval = time.perf_counter()
         _say(f"[{paper}] evaluate: method and baselines")
         _, claim = evaluate_task(spec, params, prepared.stage.out_dir, out_dir, run_id)
+        now = time.perf_counter()
+        for name, seconds in (("prepare", prepared.seconds), ("train", t_eval - t_train),
+                              ("evaluate", now - t_eval), ("total", now - start)):
+            client.log_metric(run_id, f"time/{name}_s", seconds, step=0)
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
     except BaseException:
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))

@@ -121,7 +121,8 @@ class TrainContext:
                 window = []
             if (step + 1) % report_every == 0 or step + 1 == num_steps:
                 rate = (step + 1 - start) / (time.perf_counter() - t0)
-                self.progress(f"phase {name}: step {step + 1}/{num_steps} loss {float(loss.detach()):.4f} ({rate:.1f} it/s)")
+                last = float(loss.detach())
+                self.progress(f"phase {name}: step {step + 1}/{num_steps} loss {last:.4f} ({rate:.1f} it/s)")
             if (step + 1) % every == 0 or step + 1 == num_steps:
                 self._checkpoint(ckpt_dir, engine, step + 1, state)
 
