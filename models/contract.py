@@ -139,4 +139,5 @@ class Paper:
     evaluate: Callable[[EvalContext], dict[str, float]]
     primary: tuple[str, Literal["max", "min"]]  # the one metric that summarises the method, and its direction
     claim: Claim
+    learns: bool = True  # False only where the spec says the paper has nothing to learn (train() then only computes)
     notes: dict[str, str] = field(default_factory=dict)
