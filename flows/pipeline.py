@@ -86,11 +86,18 @@ def paper_pipeline(paper: str, profile: str = "smoke", overrides: dict[str, Any]
         "prefect.flow_run_id": str(runtime.flow_run.id or ""),
         "mlflow.runName": f"{paper}-{profile}",
     }
-    run = client.create_run(exp_id, run_name=f"{paper}-{profile}", tags=tags)
-    run_id = run.info.run_id
-    try:
+    resumable = None if force else tracking.find_resumable(exp_id, key)
+    if resumable is not None:  # a killed or failed run of the same work: continue it, lose nothing
+        run_id = resumable.info.run_id
+        client.update_run(run_id, status="RUNNING")
+        client.set_tag(run_id, "paperline.pid", str(os.getpid()))
+        client.set_tag(run_id, "paperline.resumed_by_flow_run", str(runtime.flow_run.id or ""))
+        _say(f"[{paper}] continuing interrupted run {run_id} from its checkpoints")
+    else:
+        run_id = client.create_run(exp_id, run_name=f"{paper}-{profile}", tags=tags).info.run_id
         client.log_batch(run_id, params=[Param(k, v[:6000]) for k, v in tracking.flatten(resolved).items()],
                          tags=[RunTag("paperline.claim.spec", spec.claim.text()[:5000])])
+    try:
         out_dir = settings.runs_dir() / paper / run_id
         _say(f"[{paper}] train: {params.ranks} DeepSpeed rank(s), MLflow run {run_id}")
         job = TrainJob(paper, params, prepared.stage.out_dir, out_dir, run_id, settings.tracking_uri())

@@ -98,7 +98,8 @@ class TrainContext:
         writes the entries of its own samples and every checkpoint merges them across ranks (first non-NaN wins),
         so after `fit` returns every rank holds the complete tensors, and they survive a restart."""
         ckpt_dir = self.out_dir / "checkpoints" / name
-        start = self._resume(ckpt_dir, engine, state)
+        window: list[float] = []  # losses since the last logged step; checkpointed, so a resume logs the same means
+        start = self._resume(ckpt_dir, engine, state, window)
         if start >= num_steps:
             self.progress(f"phase {name}: complete in checkpoint ({num_steps} steps), not retrained")
             return
@@ -106,7 +107,7 @@ class TrainContext:
             self.progress(f"phase {name}: resumed at step {start}/{num_steps}")
             self.sink.add({f"train/{name}/resumed_at_step": start}, start)
         every = self.params.checkpoint_every
-        t0, window = time.perf_counter(), []
+        t0 = time.perf_counter()
         report_every = max(log_every, num_steps // 10)  # about ten progress lines per phase
         for step in range(start, num_steps):
             torch.manual_seed(self.params.seed * 1_000_003 + step)  # dropout etc. depend on the step only
@@ -114,25 +115,27 @@ class TrainContext:
             loss, metrics = step_fn(engine, local, step)
             engine.backward(loss)
             engine.step()
+            _maybe_inject_fault(self.out_dir, self.rank, name, step + 1)
             window.append(float(loss.detach()))
             if (step + 1) % log_every == 0 or step + 1 == num_steps:
                 logged = {"loss": sum(window) / len(window), **{k: float(v) for k, v in metrics.items()}}
                 self.log({f"train/{name}/{k}": v for k, v in logged.items()}, step)
-                window = []
+                window.clear()
             if (step + 1) % report_every == 0 or step + 1 == num_steps:
                 rate = (step + 1 - start) / (time.perf_counter() - t0)
                 last = float(loss.detach())
                 self.progress(f"phase {name}: step {step + 1}/{num_steps} loss {last:.4f} ({rate:.1f} it/s)")
             if (step + 1) % every == 0 or step + 1 == num_steps:
-                self._checkpoint(ckpt_dir, engine, step + 1, state)
+                self._checkpoint(ckpt_dir, engine, step + 1, state, window)
 
     def _shard(self, batch: Batch) -> dict[str, torch.Tensor]:
         return {k: v[self.rank :: self.world_size].to(self.device) for k, v in batch.items()}
 
-    def _checkpoint(self, ckpt_dir: Path, engine: Any, step: int, state: dict[str, torch.Tensor] | None) -> None:
+    def _checkpoint(self, ckpt_dir: Path, engine: Any, step: int, state: dict[str, torch.Tensor] | None,
+                    window: list[float]) -> None:
         tag = f"step{step}"
         self._merge_state(state)
-        client = {"step": step, "state": {k: v.cpu() for k, v in (state or {}).items()}}
+        client = {"step": step, "state": {k: v.cpu() for k, v in (state or {}).items()}, "window": list(window)}
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False)
         self.barrier()
         if self.rank == 0:
@@ -152,7 +155,8 @@ class TrainContext:
             for part in parts:
                 tensor.copy_(torch.where(torch.isnan(tensor), part, tensor))
 
-    def _resume(self, ckpt_dir: Path, engine: Any, state: dict[str, torch.Tensor] | None) -> int:
+    def _resume(self, ckpt_dir: Path, engine: Any, state: dict[str, torch.Tensor] | None,
+                window: list[float]) -> int:
         marker = ckpt_dir / "committed.json"
         if not marker.exists():
             return 0
@@ -161,6 +165,7 @@ class TrainContext:
         for key, value in client["state"].items():
             if state is not None and key in state:
                 state[key].copy_(value)
+        window[:] = client.get("window", [])
         self.sink.drop()
         return int(client["step"])
 
@@ -181,6 +186,18 @@ class TrainContext:
     def progress(self, message: str) -> None:
         if self.rank == 0:
             print(f"[{self.label or 'train'}] {message}", file=sys.stderr, flush=True)
+
+
+def _maybe_inject_fault(out_dir: Path, rank: int, phase: str, step: int) -> None:
+    """Fault injection for the reliability tests: PAPERLINE_FAULT="kill:<rank>:<phase>:<step>" SIGKILLs that rank
+    once after that step (a marker in the run folder keeps the retry from dying again)."""
+    fault = os.environ.get("PAPERLINE_FAULT", "")
+    if fault != f"kill:{rank}:{phase}:{step}":
+        return
+    marker = out_dir / f"fault-fired-{rank}-{phase}-{step}"
+    if not marker.exists():
+        marker.write_text("")
+        os.kill(os.getpid(), 9)
 
 
 @dataclass

@@ -72,6 +72,15 @@ def find_cached(exp_id: str, key: str):
     return runs[0] if runs else None
 
 
+def find_resumable(exp_id: str, key: str):
+    """The newest run with this cache key that was killed or failed: its run folder holds the finished work
+    (data, checkpoints, train outputs), so a rerun continues it instead of starting over."""
+    runs = client().search_runs([exp_id], filter_string=f"tags.`{TAG}cache_key` = '{key}' and "
+                                "attributes.status != 'FINISHED' and attributes.status != 'RUNNING'",
+                                order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0] if runs else None
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parents[1],

@@ -47,7 +47,7 @@ def launch(job: TrainJob) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads_per_rank"]), "PYTHONUNBUFFERED": "1"}
     env.pop("LOCAL_SIZE", None)  # its presence leaves DeepSpeed shm segments behind in /dev/shm
     log_path = job.out_dir / "train.log"
-    with open(log_path, "a") as log:
+    with open(log_path, "a", buffering=1) as log:  # line-buffered: a killed orchestrator loses no log lines
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                    preexec_fn=_die_with_parent)
         assert process.stdout is not None

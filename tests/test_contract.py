@@ -77,3 +77,33 @@ def test_claim_takes_best_of_several_and_needs_its_metrics():
     assert "baseline/{x,y}/a" in claim.text()
     with pytest.raises(KeyError, match="baseline/y/a"):
         claim.evaluate({"method/a": 1.0, "baseline/x/a": 0.0, "method/l": 0.0, "b/l": math.inf})
+
+
+def test_malformed_params_yaml_is_a_config_error(tmp_path):
+    bad = tmp_path / "params.yaml"
+    bad.write_text("papers: [unclosed\n")
+    with pytest.raises(registry.ConfigError, match="not valid YAML"):
+        registry.resolve("sei", "smoke", None, bad)
+    bad.write_text("papers:\n  sei:\n    test: {}\n")
+    with pytest.raises(registry.ConfigError, match="missing section papers.sei.smoke"):
+        registry.resolve("sei", "smoke", None, bad)
+
+
+@pytest.mark.parametrize("paper_id", list(registry.papers()))
+def test_params_models_reject_any_unknown_key_and_accept_their_profiles(paper_id):
+    """Property test: any key a paper does not declare is rejected, by name; the declared profiles validate."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    paper = registry.get(paper_id)
+    smoke = yaml.safe_load((PROJECT / "params.yaml").read_text())["papers"][paper_id]["smoke"]
+    known = set(paper.Params.model_fields)
+
+    @settings(max_examples=40, deadline=None)
+    @given(key=st.from_regex(r"[a-z_]{1,12}", fullmatch=True).filter(lambda k: k not in known),
+           value=st.one_of(st.integers(), st.floats(allow_nan=False), st.text(max_size=5), st.booleans()))
+    def check(key, value):
+        with pytest.raises(registry.ConfigError, match=rf"\.{key}: unknown key"):
+            registry.validate(paper, {**smoke, key: value}, where=f"papers.{paper_id}.smoke")
+
+    check()
