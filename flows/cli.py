@@ -112,6 +112,14 @@ def serve(
     serve_all(cron, timezone, papers)
 
 
+@app.command()
+def server(port: Annotated[int, typer.Option()] = 4200) -> None:
+    """Start a local Prefect server on 127.0.0.1 (embedded SQLite in PREFECT_HOME) for `serve` and the UI."""
+    typer.echo(f"Prefect server on http://127.0.0.1:{port}; then: export PREFECT_API_URL=http://127.0.0.1:{port}/api")
+    subprocess.run([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port),
+                    "--analytics-off"], check=False)
+
+
 def main() -> None:  # pragma: no cover - console entry
     app()
 

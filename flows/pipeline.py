@@ -16,6 +16,7 @@ configure_environment()
 
 from mlflow.entities import Param, RunStatus, RunTag  # noqa: E402
 from prefect import flow, get_run_logger, runtime  # noqa: E402
+from prefect.concurrency.sync import concurrency  # noqa: E402
 
 from models import registry  # noqa: E402
 from tasks import data, settings, tracking  # noqa: E402
@@ -47,12 +48,21 @@ def _say(message: str) -> None:
 @flow(name="paper-pipeline", log_prints=False)
 def paper_pipeline(paper: str, profile: str = "smoke", overrides: dict[str, Any] | None = None,
                    force: bool = False) -> dict:
-    """One paper end to end. Reuses the earlier MLflow run when code, params and data are unchanged (unless force)."""
+    """One paper end to end. Reuses the earlier MLflow run when code, params and data are unchanged (unless force).
+
+    Runs of one paper never overlap: they hold the Prefect global concurrency limit `paper-<id>` (1 slot), which
+    `paperline serve` creates; without it (the temporary local API) the guard is a no-op."""
     start = time.perf_counter()
     spec = registry.get(paper)
     overrides = registry.parse_overrides(overrides)
     params = registry.resolve(paper, profile, overrides, settings.params_file())
     tracking.check_reachable()
+    with concurrency(f"paper-{paper}", occupy=1, strict=False):
+        return _run(spec, profile, overrides, params, force, start)
+
+
+def _run(spec, profile: str, overrides: dict[str, Any], params, force: bool, start: float) -> dict:
+    paper = spec.id
     is_default = profile == data.DEFAULT_PROFILE and not overrides
 
     _say(f"[{paper}] prepare: DVC stage {'prepare@' + paper if is_default else profile + ' variant'}")

@@ -31,5 +31,15 @@ def deployments(cron: str = DEFAULT_CRON, timezone: str = "UTC", papers: list[st
     return [*on_demand, nightly]
 
 
+def ensure_paper_limits(papers: list[str]) -> None:
+    """One slot per paper: overlapping schedules (nightly + on-demand) never run the same paper twice at once."""
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        for pid in papers:
+            client.upsert_global_concurrency_limit_by_name(f"paper-{pid}", 1)
+
+
 def serve_all(cron: str = DEFAULT_CRON, timezone: str = "UTC", papers: list[str] | None = None) -> None:
+    ensure_paper_limits(papers or list(registry.papers()))
     serve(*deployments(cron, timezone, papers), pause_on_shutdown=False)

@@ -1,0 +1,78 @@
+"""A real Prefect server on loopback: serve the deployments, check the nightly cron, trigger a paper, see it run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from tasks import tracking
+from tasks.worker import free_port
+
+pytestmark = pytest.mark.e2e
+
+
+def _wait(predicate, seconds: float, what: str, logs=()):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            if predicate():
+                return
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}\n" + "\n".join(p.read_text()[-2000:] for p in logs))
+
+
+def test_serve_schedules_nightly_and_runs_a_triggered_paper(workspace, tmp_path):
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": api,
+           "PAPERLINE_ROOT": str(workspace)}
+    server_log, serve_log = tmp_path / "server.log", tmp_path / "serve.log"
+    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                               str(port), "--analytics-off"], env=env, stdout=server_log.open("w"),
+                              stderr=subprocess.STDOUT)
+    served = None
+    try:
+        _wait(lambda: urllib.request.urlopen(f"{api}/health", timeout=2).status == 200, 240, "Prefect server",
+              [server_log])
+        served = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--paper", "sei", "--cron",
+                                   "30 3 * * *", "--timezone", "Europe/Paris"], env=env,
+                                  stdout=serve_log.open("w"), stderr=subprocess.STDOUT)
+        from prefect.client.orchestration import SyncPrefectClient
+        from prefect.deployments import run_deployment
+
+        with SyncPrefectClient(api) as client:
+            _wait(lambda: client.read_deployment_by_name("suite/nightly"), 180, "deployments", [serve_log])
+            nightly = client.read_deployment_by_name("suite/nightly")
+            (schedule,) = nightly.schedules
+            assert schedule.schedule.cron == "30 3 * * *" and schedule.schedule.timezone == "Europe/Paris"
+            assert schedule.active
+            assert client.read_global_concurrency_limit_by_name("paper-sei").limit == 1
+        os.environ["PREFECT_API_URL"] = api
+        try:
+            from prefect.settings import PREFECT_API_URL, temporary_settings
+
+            with temporary_settings({PREFECT_API_URL: api}):
+                flow_run = run_deployment("paper-pipeline/sei", parameters={"paper": "sei", "profile": "test"},
+                                          timeout=600)
+        finally:
+            os.environ.pop("PREFECT_API_URL", None)
+        assert flow_run.state.is_completed(), (flow_run.state, serve_log.read_text()[-3000:])
+        runs = tracking.client().search_runs([tracking.experiment_id("sei")],
+                                             filter_string=f"tags.`prefect.flow_run_id` = '{flow_run.id}'")
+        assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    finally:
+        for proc in (served, server):  # the runner first, or the server blocks ~65 s pausing deployments
+            if proc is not None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
