@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -44,6 +45,7 @@ def run(
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a parameter: key=value.")] = None,
     force: Annotated[bool, typer.Option(help="Retrain even if an identical earlier run exists.")] = False,
     report: Annotated[bool, typer.Option(help="Write the scoreboard afterwards.")] = False,
+    hostfile: Annotated[str | None, typer.Option(help="DeepSpeed hostfile: train across its machines.")] = None,
 ) -> None:
     """Run paper pipelines (prepare -> train -> evaluate -> claim); each ends with its claim line."""
     ids = list(registry.papers()) if all_papers else list(papers or [])
@@ -53,6 +55,11 @@ def run(
         overrides = registry.parse_overrides(set_)
         for pid in ids:  # every id, profile and override checked before any work
             registry.resolve(pid, profile, overrides, settings.params_file())
+        if hostfile:
+            from tasks.train import read_hostfile
+
+            read_hostfile(Path(hostfile))
+            os.environ["PAPERLINE_HOSTFILE"] = str(Path(hostfile).resolve())
     except registry.ConfigError as e:
         _fail(str(e))
     from flows.pipeline import run_papers

@@ -41,9 +41,7 @@ def launch(job: TrainJob) -> None:
             "out_dir": str(job.out_dir), "run_id": job.run_id, "tracking_uri": job.tracking_uri,
             "threads_per_rank": max(1, cpus // ranks)}
     spec_path.write_text(json.dumps(spec, indent=1))
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--nnodes=1",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}", "--max_restarts=0",
-               "-m", "tasks.worker", str(spec_path)]
+    command = launcher_command(ranks, spec_path, os.environ.get("PAPERLINE_HOSTFILE"))
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads_per_rank"]), "PYTHONUNBUFFERED": "1"}
     env.pop("LOCAL_SIZE", None)  # its presence leaves DeepSpeed shm segments behind in /dev/shm
     log_path = job.out_dir / "train.log"
@@ -58,6 +56,38 @@ def launch(job: TrainJob) -> None:
         code = process.wait()
     if code != 0 or not (job.out_dir / DONE_MARKER).exists():
         raise RuntimeError(f"DeepSpeed job of {job.paper_id} failed (exit {code}); see {log_path}")
+
+
+def launcher_command(ranks: int, spec_path: Path, hostfile: str | None) -> list[str]:
+    """torchrun on this machine; with a hostfile, the `deepspeed` launcher across its hosts (same worker code;
+    the run folder must then be on storage every host mounts at the same path)."""
+    if hostfile:
+        read_hostfile(Path(hostfile))
+        return [sys.executable, "-m", "deepspeed.launcher.runner", f"--hostfile={hostfile}",
+                f"--master_port={free_port()}", "--module", "tasks.worker", str(spec_path)]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--nnodes=1",
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "--max_restarts=0",
+            "-m", "tasks.worker", str(spec_path)]
+
+
+def read_hostfile(path: Path) -> dict[str, int]:
+    """DeepSpeed hostfile: `<host> slots=<n>` per line, `#` comments. Raises ConfigError naming the problem."""
+    from models.registry import ConfigError
+
+    if not path.is_file():
+        raise ConfigError(f"hostfile {path} does not exist")
+    hosts: dict[str, int] = {}
+    for number, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].startswith("slots=") or not parts[1][6:].isdigit() or parts[1][6:] == "0":
+            raise ConfigError(f"hostfile {path}, line {number}: expected '<host> slots=<n>', got {raw.strip()!r}")
+        hosts[parts[0]] = int(parts[1][6:])
+    if not hosts:
+        raise ConfigError(f"hostfile {path} names no hosts")
+    return hosts
 
 
 def _die_with_parent() -> None:
