@@ -35,13 +35,19 @@ _OPS: dict[str, Callable[[float, float], bool]] = {
 
 @dataclass(frozen=True)
 class Compare:
-    """`left op right`, both metric names. A tuple on the right means "the best of these" (max for >, min for <)."""
+    """`left op right`: left a metric name; right a metric name, a number the spec fixes (a threshold), or a tuple
+    of metric names meaning "the best of these" (max for > and >=, min for < and <=)."""
 
     left: str
     op: Literal[">", ">=", "<", "<="]
-    right: str | tuple[str, ...]
+    right: str | float | tuple[str, ...]
 
     def evaluate(self, metrics: Mapping[str, float]) -> tuple[bool, str]:
+        if isinstance(self.right, int | float):
+            if self.left not in metrics:
+                raise KeyError(f"claim needs metrics that evaluate() did not return: {[self.left]}")
+            left = float(metrics[self.left])
+            return _OPS[self.op](left, float(self.right)), f"{self.left}={left:.4f} {self.op} {self.right:g}"
         names = (self.right,) if isinstance(self.right, str) else self.right
         missing = [n for n in (self.left, *names) if n not in metrics]
         if missing:
@@ -54,8 +60,9 @@ class Compare:
         return holds, f"{self.left}={left:.4f} {self.op} {right:.4f} ({who})"
 
     def text(self) -> str:
-        if isinstance(self.right, str):
-            return f"{self.left} {self.op} {self.right}"
+        if not isinstance(self.right, tuple):
+            right = self.right if isinstance(self.right, str) else f"{self.right:g}"
+            return f"{self.left} {self.op} {right}"
         best = "max" if self.op in (">", ">=") else "min"
         return f"{self.left} {self.op} {best}({_compact(self.right)})"
 

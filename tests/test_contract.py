@@ -75,6 +75,9 @@ def test_claim_takes_best_of_several_and_needs_its_metrics():
     assert not claim.evaluate({"method/a": 0.72, "baseline/x/a": 0.7, "baseline/y/a": 0.75,
                                "method/l": 1.0, "b/l": 2.0}).holds
     assert "baseline/{x,y}/a" in claim.text()
+    threshold = Claim(all_of=(Compare("method/slope", ">=", 0.3), Compare("method/slope", "<=", 0.7)))
+    assert threshold.evaluate({"method/slope": 0.5}).holds and not threshold.evaluate({"method/slope": 0.8}).holds
+    assert threshold.text() == "method/slope >= 0.3 and method/slope <= 0.7"
     with pytest.raises(KeyError, match="baseline/y/a"):
         claim.evaluate({"method/a": 1.0, "baseline/x/a": 0.0, "method/l": 0.0, "b/l": math.inf})
 
