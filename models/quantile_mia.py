@@ -34,6 +34,13 @@ Deviations from the paper (choices the abstract left open):
   `pinball_levels` (its ROC-free operating points are reported under detail/).
 - full: CIFAR-10 python batches (`load_cifar10`), one held-out class; the networks stay the batched MLP ensemble
   (3072 inputs, wider hidden layer) instead of ResNet-18 / ConvNeXt-tiny, which do not batch as one ensemble module.
+- smoke: hidden width 128 instead of 256 (26 networks in lock-step cost 26x the spec's per-step estimate for one).
+
+Result at smoke scale (does not hold): TPR@1%FPR quantile 0.013 vs LiRA offline 0.067 / online 0.064 (global
+threshold 0.012); AUROC 0.56 vs 0.57 / 0.60. The seen-class control gives the same picture (quantile 0.014 vs
+LiRA 0.056), so here the gap does not come from the data-access model: the small pixel-MLP regressor does not
+predict a digit's non-member score well enough, while LiRA's shadows (trained on the queries' own sources) do. The
+regressor's calibration does carry over to the unseen class (alpha = 1% gives 0.4% FPR on class-h non-members).
 """
 
 from __future__ import annotations
