@@ -134,3 +134,24 @@ def test_generated_graphs_are_dags_with_the_requested_degree():
             assert (np.abs(w[w != 0]) >= 0.5).all() and (np.abs(w) <= 2).all()
             edges.append((w != 0).sum())
         assert 20 <= np.mean(edges) <= 40  # expected degree 2 = 30 edges on 30 nodes
+
+
+def test_sachs_loader_and_prepare_on_a_tiny_fixture(tmp_path):
+    import json
+
+    rng = np.random.default_rng(5)
+    names = ["raf", "mek", "erk"]
+    for stem, n in (("cd3cd28", 30), ("u0126", 20), ("psitect", 20)):
+        rows = "\n".join(",".join(f"{v:.3f}" for v in r) for r in rng.normal(size=(n, 3)))
+        (tmp_path / f"{stem}.csv").write_text(",".join(names[::-1]) + "\n" + rows + "\n")  # column order varies
+    (tmp_path / "targets.json").write_text(json.dumps({"u0126": ["mek"], "psitect": ["erk"]}))
+    (tmp_path / "truth.csv").write_text("src,dst\nraf,mek\nmek,erk\n")
+    blocks, targets, found = pacer.load_condition_csvs(tmp_path)
+    assert found == names[::-1] and [len(b) for b in blocks] == [30, 20, 20]
+    assert sorted(map(tuple, targets)) == [(), (0,), (1,)]
+    params = pacer.Params(dataset="sachs", dataset_dir=str(tmp_path), graphs=[{"d": 3, "kind": "er"}], held_out=1)
+    out = tmp_path / "out"
+    out.mkdir()
+    pacer.prepare(params, out)
+    g = pacer.load_graphs(out)["sachs"]
+    assert g["d"] == 3 and g["truth"].sum() == 2 and len(g["held"]["n"]) == 1 and len(g["train"]["n"]) == 2

@@ -104,3 +104,23 @@ def test_ensemble_networks_are_independent():
     assert torch.allclose(out[1], h @ net.weights[2][1] + net.biases[2][1], atol=1e-6)
     out[0].sum().backward()
     assert net.weights[0].grad[1:].abs().max() == 0  # net 0's loss moves only net 0
+
+
+def test_cifar10_loader_on_a_ten_image_pickle_fixture(tmp_path):
+    import pickle
+
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 256, (10, 3072), dtype=np.uint8)
+    labels = list(range(10))
+    with open(tmp_path / "data_batch_1", "wb") as f:
+        pickle.dump({b"data": data[:6], b"labels": labels[:6]}, f)
+    with open(tmp_path / "test_batch", "wb") as f:
+        pickle.dump({b"data": data[6:], b"labels": labels[6:]}, f)
+    images, y = qm.load_cifar10(tmp_path)
+    assert images.shape == (10, 3, 32, 32) and y.tolist() == labels
+    assert np.allclose(images[7].reshape(-1), data[7] / 255.0)
+    p = qm.Params(dataset="cifar10", dataset_dir=str(tmp_path), variants=2, held_out_class=3)
+    qm.prepare(p, tmp_path)
+    t = qm.read_table(tmp_path / "samples.parquet")
+    assert t["pixels"].shape == (20, 3072) and set(t["role"][t["label"] == 3]) <= {"query_member",
+                                                                                      "query_nonmember", "public_h"}
