@@ -265,7 +265,6 @@ def evaluate(ctx) -> dict[str, float]:
         out[prefix + "normalised_regret_spread"] = float(max(norm_per_grid) / max(min(norm_per_grid), 1e-12))
         out[prefix + "oracle_calls"] = float(np.mean(calls))
         out[prefix + "episode_ms"] = float(np.mean(ms))
-    out["detail/slope_lower"], out["detail/slope_upper"], out["detail/spread_limit"] = 0.3, 0.7, 2.0
     for n_s, n_a in p.grid:
         out[f"detail/bound_unit_constants_S{n_s}_A{n_a}"] = float(
             p.horizon**4 * np.sqrt(p.episodes * n_s * n_a * np.log(p.n_f * p.n_p)))
@@ -299,9 +298,9 @@ PAPER = Paper(
     claim=Claim(all_of=(
         Compare("method/regret", "<", ("baseline/greedy/regret", "baseline/eps_greedy/regret",
                                        "baseline/layerwise/regret")),
-        Compare("method/slope", ">=", "detail/slope_lower"),
-        Compare("method/slope", "<=", "detail/slope_upper"),
-        Compare("method/normalised_regret_spread", "<", "detail/spread_limit"),
+        Compare("method/slope", ">=", 0.3),  # sqrt(T)-like regret growth: log-log slope in [0.3, 0.7]
+        Compare("method/slope", "<=", 0.7),
+        Compare("method/normalised_regret_spread", "<", 2.0),
         Compare("method/episode_ms", "<=", "baseline/layerwise/episode_ms"),
     ), summary="OPO's regret below every baseline, sqrt-T-like slope, mild |S||A| dependence, not slower"),
     learns=False,

@@ -611,6 +611,6 @@ PAPER = Paper(
         Compare("method/shd_small_d", "<=", "baseline/notears/shd_small_d"),
         Compare("method/shd_large_d", "<=", "baseline/notears/shd_large_d"),
         Compare("method/time_s", "<", "baseline/notears/time_s"),
-        Compare("method/cyclic", "<=", "baseline/random/cyclic"),  # a random DAG is never cyclic: this says 0
+        Compare("method/cyclic", "<=", 0.0),
     ), summary="d in {10, 30}: PACER's SHD <= NOTEARS's, PACER faster, and no cyclic graph returned"),
 )
