@@ -1,0 +1,127 @@
+"""induction_smoothing: the count estimators, the exact Bayes predictor and the disentangled transformer, each
+checked against a value computed another way."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from scipy.special import gammaln
+
+from models import induction_smoothing as m
+
+
+def _params(**kw):
+    return m.Params(**{"S": 3, "k": 2, "T": 24, "t_min": 4, **kw})
+
+
+def _brute_counts(seq: np.ndarray, t: int, S: int, k: int):
+    """Loops: order-j counts of the last j tokens' context and counts grouped by overlap, BOS-padded."""
+    pad = [S] * k + list(seq)
+    cur = pad[t + 1 : t + 1 + k]
+    order, overlap = np.zeros((k + 1, S)), np.zeros((k + 1, S))
+    for i in range(t + 1):  # transitions into tokens 0..t
+        ctx = pad[i : i + k]
+        ov = sum(a == b for a, b in zip(ctx, cur, strict=True))
+        overlap[ov, seq[i]] += 1
+        for j in range(k + 1):
+            if ctx[k - j :] == cur[k - j :]:
+                order[j, seq[i]] += 1
+    return order, overlap
+
+
+def test_in_context_counts_match_loops():
+    p = _params()
+    rng = np.random.default_rng(0)
+    tokens = m.sample_tokens(m.sample_chains("B", 3, p, rng), p.T, p.k, rng)
+    c = m.in_context_counts(tokens, p.S, p.k, p.t_min)
+    per_seq = p.T - 1 - p.t_min
+    for n in range(3):
+        for qi, t in enumerate(range(p.t_min, p.T - 1)):
+            order, overlap = _brute_counts(tokens[n], t, p.S, p.k)
+            row = n * per_seq + qi
+            assert np.array_equal(c["order"][row], order) and np.array_equal(c["overlap"][row], overlap)
+            assert c["next"][row] == tokens[n, t + 1] and c["matches"][row] == order[p.k].sum()
+            assert c["ctx"][row] == tokens[n, t - 1] * p.S + tokens[n, t]
+
+
+def test_add_alpha_is_the_bayes_predictor_by_the_dirichlet_multinomial_chain_rule():
+    """Setting A: the product of add-alpha predictive probabilities over a sequence equals the closed-form marginal
+    likelihood prod_ctx Gamma(S a)/Gamma(S a + n_ctx) prod_s Gamma(a + n_ctx,s)/Gamma(a)."""
+    p = _params(alpha=0.7, T=40, t_min=1)  # queries t = 1..T-2 predict every token with a full context
+    rng = np.random.default_rng(1)
+    tokens = m.sample_tokens(m.sample_chains("A", 2, p, rng), p.T, p.k, rng)
+    c = m.in_context_counts(tokens, p.S, p.k, p.t_min)
+    pred = m.add_beta(c["order"], p.alpha)
+    log_chain = np.log(pred[np.arange(len(c["next"])), c["next"]]).reshape(2, -1).sum(1)
+    for n in range(2):
+        counts = np.zeros((p.S ** p.k, p.S))
+        for t in range(p.k, p.T):
+            counts[tokens[n, t - 2] * p.S + tokens[n, t - 1], tokens[n, t]] += 1
+        closed = (gammaln(p.S * p.alpha) - gammaln(p.S * p.alpha + counts.sum(1))
+                  + (gammaln(p.alpha + counts) - gammaln(p.alpha)).sum(1)).sum()
+        assert np.isclose(log_chain[n], closed)
+    # and directly: the posterior predictive is the Dirichlet posterior mean, estimated by sampling the posterior
+    order = np.zeros((1, p.k + 1, p.S))
+    order[0, -1] = [3, 0, 1]
+    draws = rng.dirichlet(p.alpha + order[0, -1], size=200_000)
+    assert np.allclose(m.add_beta(order, p.alpha)[0], draws.mean(0), atol=3e-3)
+
+
+def test_soft_match_equals_the_disentangled_attention_and_its_limits():
+    p = _params()
+    rng = np.random.default_rng(2)
+    tokens = m.sample_tokens(m.sample_chains("A", 4, p, rng), p.T, p.k, rng)
+    c = m.in_context_counts(tokens, p.S, p.k, p.t_min)
+    for beta, beta0 in ((0.0, 0.0), (1.3, 2.0), (4.0, 9.5)):
+        literal = m.disentangled_forward(torch.from_numpy(tokens), p.S, p.k, beta, beta0)[:, p.t_min : p.T - 1]
+        counted = m.soft_match(c["overlap"], beta, beta0)
+        assert np.allclose(literal.reshape(-1, p.S).numpy(), counted, atol=1e-10)
+    # large beta with pseudo-count alpha per symbol (e^{beta0 - k beta} = S alpha) is add-alpha = Bayes in A
+    alpha = 0.5
+    big = m.soft_match(c["overlap"], 40.0, p.k * 40.0 + np.log(p.S * alpha))
+    seen = c["order"][:, -1].sum(-1) > 0
+    assert np.allclose(big[seen], m.add_beta(c["order"], alpha)[seen], atol=1e-8)
+    # beta = 0 without BOS mass is the order-0 frequency (every key weighted alike)
+    flat = m.soft_match(c["overlap"], 0.0, -60.0)
+    assert np.allclose(flat, c["order"][:, 0] / c["order"][:, 0].sum(-1, keepdims=True), atol=1e-10)
+
+
+def test_count_baselines_limits():
+    order = np.array([[[5.0, 3.0, 2.0], [2.0, 1.0, 0.0], [0.0, 0.0, 0.0]],   # order-2 context unseen
+                      [[5.0, 3.0, 2.0], [2.0, 1.0, 0.0], [1.0, 0.0, 1.0]]])
+    assert np.allclose(m.mle(order), [[1 / 3] * 3, [0.5, 0.0, 0.5]])
+    assert np.allclose(m.add_beta(order, 1e-9), m.mle(order), atol=1e-6)
+    assert np.allclose(m.add_beta(order, 1e9), 1 / 3)
+    # JM with every lambda = 1 is the highest seen order's MLE; hand-computed mix for lambdas (0.5, 0.5, 0.5)
+    assert np.allclose(m.jelinek_mercer(order, (1.0, 1.0, 1.0))[0], [2 / 3, 1 / 3, 0])
+    u = np.full(3, 1 / 3)
+    p0 = 0.5 * np.array([0.5, 0.3, 0.2]) + 0.5 * u
+    p1 = 0.5 * np.array([2 / 3, 1 / 3, 0]) + 0.5 * p0
+    assert np.allclose(m.jelinek_mercer(order, (0.5, 0.5, 0.5))[1], 0.5 * np.array([0.5, 0, 0.5]) + 0.5 * p1)
+
+
+def test_chains_and_kl():
+    p = _params(alpha=0.5, c=4.0)
+    rng = np.random.default_rng(3)
+    a, b = m.sample_chains("A", 200, p, rng), m.sample_chains("B", 200, p, rng)
+    assert np.allclose(a.sum(-1), 1) and np.allclose(b.sum(-1), 1)
+    # setting B: rows sharing the most recent token are correlated (they share q(.|b)); in A they are not
+    corr = lambda ch: np.corrcoef(ch[:, 0, 0], ch[:, p.S, 0])[0, 1]  # noqa: E731  contexts (0,0) and (1,0)
+    assert corr(b) > 0.3 and abs(corr(a)) < 0.2
+    kl, ce = m.kl_ce(np.full((2, 3), 1 / 3), np.array([[1.0, 0, 0], [1 / 3, 1 / 3, 1 / 3]]), np.array([0, 1]))
+    assert np.isclose(kl, np.log(3) / 2) and np.isclose(ce, np.log(3))
+
+
+def test_attention_recovery_reads_back_a_planted_soft_match_pattern():
+    """Feed the disentangled head's own attention as a 'trained' pattern: the regression returns its beta."""
+    p = _params(T=20, t_min=6)
+    rng = np.random.default_rng(4)
+    tokens = m.sample_tokens(m.sample_chains("A", 8, p, rng), p.T, p.k, rng)
+    ov = m.overlap_matrix(torch.from_numpy(tokens), p.S, p.k)
+    L = p.T + 1
+    logits = (1.7 * ov).masked_fill(torch.ones(L, L, dtype=torch.bool).tril().logical_not(), -torch.inf)
+    logits[:, :, 0] = 3.0
+    pattern = logits.softmax(-1)[:, None].float()  # (n, 1, L, L)
+    rec = m.attention_recovery(pattern, tokens, p.model_copy(update={"heads": 1}))
+    assert np.isclose(rec["head0/beta_hat"], 1.7, atol=1e-4) and rec["head0/r2"] > 0.999
+    assert rec["head0/bos_spearman"] < 0  # more exact matches -> less mass on BOS
