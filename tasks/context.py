@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -30,6 +31,9 @@ Batch = Mapping[str, torch.Tensor]
 StepFn = Callable[[Any, Batch, int], tuple[torch.Tensor, Mapping[str, float]]]
 
 
+_METRIC_NAME = re.compile(r"[\w\-./ ]+")
+
+
 class MetricSink:
     """Rank 0's buffered connection to the MLflow run; `None` run id logs nowhere (in-process tests)."""
 
@@ -43,6 +47,9 @@ class MetricSink:
             self._client = MlflowClient(tracking_uri)
 
     def add(self, metrics: Mapping[str, float], step: int) -> None:
+        bad = [k for k in metrics if not _METRIC_NAME.fullmatch(k)]
+        if bad:  # fail at the first log, not at the first flush many steps later
+            raise ValueError(f"metric names MLflow rejects (allowed: letters, digits, _ - . / space): {bad}")
         self._buffer.extend((k, float(v), step) for k, v in metrics.items())
 
     def flush(self) -> None:

@@ -3,7 +3,9 @@
 The default run (profile `smoke`, no overrides) uses the hand-written `prepare@<id>` stage of the root `dvc.yaml`,
 so `dvc repro prepare@sei` from the shell is the same stage. Any other profile or a parameter override gets its own
 stage in `variants/<id>/<profile>-<hash>/` (generated `dvc.yaml` + `params.yaml` holding the resolved params):
-its own versioned data, sharing the DVC cache, and the user's `params.yaml` and `data/` stay untouched.
+its own versioned data, sharing the DVC cache, and the user's `params.yaml` and `data/` stay untouched. These
+folders must not be git-ignored (DVC refuses stages in ignored files); DVC ignores their `data/` itself, and
+committing a variant's `dvc.yaml`/`dvc.lock` versions that data like any other stage.
 DVC alone decides whether a stage reruns (code + params + outputs); nothing here caches on top of it.
 """
 

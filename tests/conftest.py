@@ -23,12 +23,14 @@ configure_environment()
 
 def make_workspace(path: Path) -> Path:
     """A DVC project holding this project's dvc.yaml, params.yaml and the files its stages depend on."""
-    for name in ("dvc.yaml", "params.yaml"):
+    for name in ("dvc.yaml", "params.yaml", ".gitignore"):
         shutil.copy(PROJECT / name, path / name)
     shutil.copytree(PROJECT / "models", path / "models", ignore=shutil.ignore_patterns("__pycache__"))
     (path / "tasks").mkdir()
     shutil.copy(PROJECT / "tasks" / "prepare_stage.py", path / "tasks" / "prepare_stage.py")
-    subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=path, check=True)
+    # a git repository like a user's clone: DVC then refuses stages in git-ignored files, as it would for users
+    subprocess.run(["git", "init", "-q"], cwd=path, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=path, check=True)
     return path
 
 
