@@ -40,7 +40,7 @@ KL 0.1, t_mix 36, n_eff 6.2 on the 2,000-step chain), valid (validation 0.82) an
 certificate of SAC (38.8: KL 7,559 nats from moving the weights away from their initialisation), but vacuous; the
 i.i.d. bound on the same posterior is 0.87 and also covers the validation loss, which is what ignoring the Markov
 dependence would buy. PB-SAC's normalised return 0.16 vs SAC's 0.23 misses 0.9 x SAC. Why: with n_eff of a few
-units the complexity term alone is >= 0.7, and in training the buffer's t_mix (about 150 under a changing policy)
+units the complexity term alone is >= 0.7, and in training the buffer's t_mix (180-280 under a changing policy)
 puts n_eff near 1, so the bound's gradient holds the posterior at its prior (KL 0.1) and critic 1 barely fits
 (loss 0.82). A non-vacuous Markov certificate needs chains about two orders of magnitude longer; at 2,500 steps
 neither agent has converged (the spec's honest limit).
