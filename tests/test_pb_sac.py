@@ -1,0 +1,95 @@
+"""PB-SAC's mechanism on tiny inputs: the mixing-time estimate, the KL, the bounds, the posterior critic, the policy
+density, and exact resume of the replay chain."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from models import pb_sac
+from models.common.rl import Replay
+
+
+def test_integrated_autocorr_time_of_ar1_matches_closed_form():
+    rng = np.random.default_rng(0)
+    phi, n = 0.8, 200_000
+    x = np.zeros(n)
+    noise = rng.standard_normal(n)
+    for t in range(1, n):
+        x[t] = phi * x[t - 1] + noise[t]
+    tau = pb_sac.integrated_autocorr_time(x)
+    assert abs(tau - (1 + phi) / (1 - phi)) < 0.1 * 9  # exact value 9
+    assert abs(pb_sac.integrated_autocorr_time(noise) - 1.0) < 0.1
+    assert pb_sac.mixing_time(noise, x) == 2 * tau
+
+
+def test_kl_is_zero_at_init_and_matches_torch_distributions():
+    torch.manual_seed(0)
+    critic = pb_sac.Critic(3, 1, 8, prior_sigma=0.05)
+    assert float(critic.kl(0.05).detach()) < 1e-6
+    with torch.no_grad():
+        for q, ls in zip(critic.mu(), critic.log_sigma, strict=True):
+            q.add_(0.02 * torch.randn_like(q))
+            ls.add_(0.3 * torch.randn_like(ls))
+    mu, sig = critic.flat_mu(), torch.cat([ls.exp().reshape(-1) for ls in critic.log_sigma])
+    ref = torch.distributions.kl_divergence(torch.distributions.Normal(mu, sig),
+                                            torch.distributions.Normal(critic.theta0, 0.1)).sum()
+    assert torch.allclose(critic.kl(0.1), ref, rtol=1e-4)
+
+
+def test_bounds_reduce_and_order_as_the_theory_says():
+    emp, kl, n, delta = 0.05, 3.0, 2000, 0.05
+    iid = pb_sac.markov_bound(emp, kl, n, delta)
+    assert iid == emp + math.sqrt((kl + math.log(2 * math.sqrt(n) / delta)) / (2 * n))
+    # Markov dependence (t_mix > 1/9) shrinks n_eff and loosens the bound
+    assert pb_sac.markov_bound(emp, kl, n / (9 * 5), delta) > iid
+    budget = (kl + math.log(2 * math.sqrt(n) / delta)) / n
+    q = pb_sac.kl_inverse(emp, budget)
+    kl_bern = emp * math.log(emp / q) + (1 - emp) * math.log((1 - emp) / (1 - q))
+    assert abs(kl_bern - budget) < 1e-6 and q > emp
+    assert q <= emp + math.sqrt(budget / 2) + 1e-9  # Pinsker: the kl-inverse is never looser
+
+
+def test_posterior_critic_collapses_to_its_mean_and_loss_is_bounded():
+    torch.manual_seed(1)
+    critic = pb_sac.Critic(3, 1, 8, prior_sigma=0.1)
+    s, a = torch.randn(5, 3), torch.randn(5, 1)
+    mean_q = critic(s, a)  # (5,)
+    tiny = critic(s, a, samples=3, sigma=1e-9)  # (3, 5)
+    assert tiny.shape == (3, 5) and torch.allclose(tiny, mean_q.expand(3, 5), atol=1e-5)
+    wide = critic(s, a, samples=64)
+    assert wide.std(0).mean() > 1e-3  # the posterior's weight noise reaches Q
+    loss = pb_sac.certified_loss(wide, torch.zeros(5) + 100.0, 10.0)
+    assert float(loss.min()) >= 0 and float(loss.max()) <= 1
+
+
+def test_actor_log_density_matches_tanh_transformed_normal():
+    torch.manual_seed(2)
+    actor = pb_sac.Actor(3, 2, 16, high=1.0)
+    s = torch.randn(6, 3)
+    g = torch.Generator().manual_seed(0)
+    a, logp = actor(s, g)
+    mean, log_std = actor.net(s).chunk(2, -1)
+    dist = torch.distributions.TransformedDistribution(
+        torch.distributions.Normal(mean, log_std.clamp(-5, 2).exp()), [torch.distributions.TanhTransform()])
+    a_safe = a.clamp(-1 + 1e-6, 1 - 1e-6)
+    assert torch.allclose(logp, dist.log_prob(a_safe).sum(-1), atol=1e-3)
+
+
+def test_replay_resume_reproduces_the_chain_exactly():
+    def act(obs, row, g):  # depends on the observation and the row's generator, like a policy
+        return np.clip(-0.5 * obs[2:3] + (torch.rand(1, generator=g).numpy() - 0.5), -2, 2)
+
+    full = Replay("Pendulum-v1", 30, seed=3, horizon=7)  # several episodes, with resets inside the chain
+    full.collect(30, act)
+    resumed = Replay("Pendulum-v1", 30, seed=3, horizon=7)
+    for key, value in full.state.items():  # a checkpoint taken mid-episode (row 17 of 30)
+        resumed.state[key][:17] = value[:17]
+    resumed.collect(30, act)
+    for key in full.state:
+        assert torch.equal(full.state[key], resumed.state[key]), key
+    assert int(full.state["episode"][-1]) == 4 and full.state["end"].sum() == 4
+    steps, returns = full.episode_returns()
+    assert list(steps) == [7, 14, 21, 28] and np.allclose(returns[0], full.state["r"][:7].sum().item())
