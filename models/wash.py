@@ -161,7 +161,7 @@ def train(ctx) -> None:
 
     def step_fn(engine, batch, step):
         losses = engine(batch)
-        return sum(losses.values()), {f"loss_{k}": float(v) for k, v in losses.items()}
+        return sum(losses.values()), {f"loss_{k}": float(v.detach()) for k, v in losses.items()}
 
     ctx.progress(f"{len(model.lms)} LMs in lock-step, vocabularies {[len(t) for t in toks]}, {p.steps} steps")
     ctx.fit("lms", ctx.engine(model, p.lr), step_fn, batch_fn, p.steps)
