@@ -1,0 +1,103 @@
+"""CacheAttack's mechanism on tiny inputs: the cache's serving rule, the mitigations, the search, the data."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from models import cache_attack as ca
+from models.common.lm import BPETokenizer, info_nce, train_bpe
+from models.common.tables import read_table
+
+
+def _params(**kw) -> ca.Params:
+    base = dict(n_intents=4, paraphrases=6, n_pairs=40, max_false_hit=0.05,
+                tau_sweep=[0.7, 0.9], population=6, generations=5, max_words=4, victim_encoder="hashed")
+    return ca.Params(**(base | kw))
+
+
+def _unit(*rows) -> np.ndarray:
+    x = np.asarray(rows, dtype=np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def test_serve_top1_threshold_and_lexical_check():
+    keys = _unit([1, 0, 0], [0, 1, 0])
+    queries = _unit([1, 0.1, 0], [0.5, 0.5, 0.7], [0.1, 1, 0])
+    assert ca.serve(queries, keys, 0.9).tolist() == [0, -1, 1]  # the middle query is below tau for both keys
+    lexical = (["check my balance", "x", "open my card"], ["check balance now", "close the account"], 0.3)
+    # query 0 shares {check, balance} with key 0 (Jaccard 2/3): served; query 2 shares nothing with key 1: refused
+    assert ca.serve(queries, keys, 0.9, lexical).tolist() == [0, -1, -1]
+
+
+def test_rotation_mitigation_is_a_negative_control():
+    rng = np.random.default_rng(0)
+    keys, queries = _unit(*rng.standard_normal((20, 8))), _unit(*rng.standard_normal((30, 8)))
+    rot = np.linalg.qr(rng.standard_normal((8, 8)))[0]
+    for tau in (0.2, 0.5, 0.8):
+        assert np.array_equal(ca.serve(queries, keys, tau), ca.serve(queries @ rot, keys @ rot, tau))
+
+
+def test_hijack_rates_attacker_first_and_no_insertion_on_hit():
+    # intents 0 and 1, one warm key and two victims each; the attack targets intent 0
+    q = {"role": np.array(["warm", "victim", "victim", "warm", "victim", "victim"]),
+         "intent_id": np.array([0, 0, 0, 1, 1, 1]), "text": np.array(["w0", "v0", "v0b", "w1", "v1", "v1b"])}
+    keys = _unit([1, 0, 0], [0.9, 0.1, 0.4], [0.8, 0.2, 0.5], [0, 1, 0], [0, 1, 0.1], [0, 1, 0.2])
+    emb = {"keys": keys, "close": _unit([0.85, 0.15, 0.45])[0], "onto_w1": _unit([0, 1, 0.01])[0]}
+    # the attack sits next to intent 0's victims; intent 0's own warm key is absent (attacker first)
+    assert ca.hijack_rates(emb, q, {0: "close"}, 0.95, None).tolist() == [1.0]
+    # an attack query that already hits intent 1's warm key is served, not inserted: nothing hijacked
+    assert ca.hijack_rates(emb, q, {0: "onto_w1"}, 0.95, None).tolist() == [0.0]
+    assert ca.benign_rates(keys, q, 0.8, None) == (1.0, 0.0)  # every victim served its own intent's key
+    assert ca.benign_rates(keys, q, 0.95, None) == (0.5, 0.0)  # intent 0's victims (cos 0.91, 0.83) now miss
+
+
+def test_genetic_search_keeps_payload_counts_queries_and_never_regresses():
+    p = _params()
+    pool = ["alpha", "beta", "gamma", "delta", "bank"]
+    score = lambda texts: np.array([t.split().count("bank") - 0.1 * len(t.split()) for t in texts])  # noqa: E731
+    log: list[float] = []
+    best, queries = ca.genetic_search(score, "PAY LOAD", ["alpha beta"], pool, p, np.random.default_rng(0), log)
+    assert best.startswith("PAY LOAD ") and 1 <= len(best.split()) - 2 <= p.max_words
+    assert queries == p.population * p.generations
+    assert all(b >= a for a, b in zip(log, log[1:], strict=False))  # elitism: the best never gets worse
+    assert score([best])[0] > score(["PAY LOAD alpha beta"])[0]  # it improved on its seed
+    rand = ca.random_search(score, "PAY LOAD", pool, queries, p, np.random.default_rng(0))
+    assert rand.startswith("PAY LOAD ")
+
+
+def test_prepare_roles_and_no_victim_text_in_public_data(tmp_path):
+    p = _params(n_intents=6, paraphrases=8, n_pairs=200)
+    ca.prepare(p, tmp_path)
+    q = read_table(tmp_path / "queries.parquet")
+    for intent in set(q["intent"]):
+        roles = q["role"][q["intent"] == intent]
+        assert (roles == "warm").sum() == 2 and (roles == "guess").sum() == 3 and (roles == "victim").sum() == 3
+        assert len(set(q["text"][q["intent"] == intent])) == 8  # distinct paraphrases
+    assert "banking" in set(q["domain"])
+    pairs = read_table(tmp_path / "pairs.parquet")
+    assert not set(q["text"][q["role"] == "victim"]) & (set(pairs["a"]) | set(pairs["b"]))
+
+
+def test_qqp_loader_on_fixture(tmp_path):
+    rows = ["id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate",
+            "0\t1\t2\tHow do I open a bank account?\tHow can I open a bank account?\t1",
+            "1\t2\t3\tHow can I open a bank account?\tWhat is needed to open a bank account?\t1",
+            "2\t4\t5\tWhat is python?\tWhat is a snake?\t0",
+            "3\t6\t7\tHow to learn python?\tBest way to learn python?\t1",
+            "4\t8\t9\tWhy is the sky blue?\tWhy is the sea blue?\t0"]
+    path = tmp_path / "train.tsv"
+    path.write_text("\n".join(rows) + "\n")
+    intents, texts = ca.load_qqp(path, 5)
+    assert [len(t) for t in texts] == [3, 2]  # two duplicate components, largest first
+    assert intents[0][1] == "banking" and intents[1][1] == "qqp"
+
+
+def test_bpe_round_trip_and_info_nce():
+    texts = ["the cat sat on the mat", "the dog sat on the log"] * 5
+    merges = train_bpe(texts, 10)
+    tok, chars = BPETokenizer("".join(sorted(set("".join(texts)))), merges), BPETokenizer("acdefghilmnogst ", [])
+    assert tok.decode(tok.encode(texts[0])) == texts[0]
+    assert len(tok.encode(texts[0])) < len(chars.encode(texts[0])) == len(texts[0])
+    a = torch.nn.functional.normalize(torch.randn(8, 16), dim=-1)
+    assert info_nce(a, a, 0.05) < info_nce(a, a.roll(1, 0), 0.05)

@@ -1,0 +1,94 @@
+"""WASH's mechanism on tiny inputs: green lists, the z statistic, the character alignment, averaging's TV drop."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from models import wash
+from models.common.lm import BPETokenizer, TinyLM, train_bpe
+
+
+def test_green_lists_exact_fraction_and_context_dependence():
+    wm1 = wash.Watermark("kgw1", key=7, vocab=40, gamma=0.25, delta=2.0)
+    ctx = np.arange(40)[:, None]
+    g = wm1.green(ctx)
+    assert (g.sum(1) == 10).all()  # exactly round(gamma V) per context
+    assert len({tuple(row) for row in g}) > 30  # the list moves with the previous token
+    assert not np.array_equal(g, wash.Watermark("kgw1", 8, 40, 0.25, 2.0).green(ctx))  # another key, another list
+    uni = wash.Watermark("unigram", 7, 40, 0.25, 2.0).green(np.zeros((5, 0), np.int64))
+    assert (uni == uni[0]).all()  # unigram: one fixed list
+    kgw2 = wash.Watermark("kgw2", 7, 40, 0.25, 2.0)
+    assert not np.array_equal(kgw2.green(np.array([[1, 2]])), kgw2.green(np.array([[3, 2]])))
+
+
+def test_z_score_known_values():
+    wm = wash.Watermark("kgw1", key=3, vocab=20, gamma=0.25, delta=2.0)
+    ids = [0]
+    for _ in range(40):  # always a green token
+        ids.append(int(np.flatnonzero(wm.green(np.array([[ids[-1]]]))[0])[0]))
+    t = 40
+    assert np.isclose(wash.z_score(ids, wm), (t - 0.25 * t) / np.sqrt(t * 0.25 * 0.75))
+    red = [0]
+    for _ in range(40):
+        red.append(int(np.flatnonzero(~wm.green(np.array([[red[-1]]]))[0])[0]))
+    assert np.isclose(wash.z_score(red, wm), -0.25 * t / np.sqrt(t * 0.25 * 0.75))
+
+
+def _provider(merges: int, seed: int, wm: bool = True) -> wash.Provider:
+    torch.manual_seed(seed)
+    text = ["the cat sat on the mat.", "a dog ran near the log."] * 4
+    tok = BPETokenizer(wash.ALPHABET, train_bpe(text, merges))
+    water = wash.Watermark("kgw1", seed, len(tok), 0.25, 2.5) if wm else None
+    return wash.Provider(TinyLM(len(tok), 16, 1, 1, 33).eval(), tok, water, 32)
+
+
+def test_alignment_is_exact_for_a_character_model():
+    pr = _provider(0, 0)
+    texts = ["the cat s", "a dog ran "]
+    got = pr.char_probs(texts)
+    direct = pr.probs([pr.tok.encode(t) for t in texts], 1)[:, 0]  # the char model's own next-token distribution
+    assert torch.allclose(got, direct[:, [pr.tok.stoi[c] for c in wash.ALPHABET]], atol=1e-6)
+
+
+def test_alignment_on_bpe_is_a_distribution_with_brute_force_terms():
+    pr = _provider(12, 1)
+    text = "the cat sat on th"
+    seq = pr.tok.encode(text)
+    got = pr.char_probs([text])[0]
+    assert torch.isclose(got.sum(), torch.tensor(1.0)) and (got >= 0).all()
+    p = pr.probs([seq], 2)[0]  # (2, V)
+    r = pr.tok.itos[seq[-1]]
+    ref = torch.zeros(len(wash.ALPHABET))
+    for t, s in enumerate(pr.tok.itos):  # the two terms, by string matching one token at a time
+        if len(s) > len(r) and s.startswith(r):
+            ref[wash.ALPHABET.index(s[len(r)])] += p[0, t]
+        ref[wash.ALPHABET.index(s[0])] += p[0, seq[-1]] * p[1, t]
+    assert torch.allclose(got, ref / ref.sum(), atol=1e-6)
+
+
+def test_averaging_independent_watermarks_shrinks_tv_to_the_clean_average():
+    rng = np.random.default_rng(0)
+    v, n, contexts = 30, 3, 200
+    base = rng.standard_normal((1, contexts, v)) + 0.1 * rng.standard_normal((n, contexts, v))  # similar models
+    logits = torch.from_numpy(base.astype(np.float32))  # (N, B, V) clean logits
+    prev = rng.integers(v, size=(contexts, 1))
+    marks = [wash.Watermark("kgw1", 100 + m, v, 0.25, 2.5) for m in range(n)]
+    wm = torch.stack([(logits[m] + marks[m].bias(prev)).softmax(-1) for m in range(n)])  # (N, B, V)
+    clean = logits.softmax(-1).mean(0)
+    tv = lambda a: 0.5 * (a - clean).abs().sum(-1).mean()  # noqa: E731
+    same_key = torch.stack([(logits[m] + marks[0].bias(prev)).softmax(-1) for m in range(n)]).mean(0)
+    assert tv(wm.mean(0)) < 0.75 * tv(wm[0])  # independent keys: the biases average out
+    assert tv(wm.mean(0)) < tv(same_key)  # a shared key would not
+
+
+def test_generation_lengths_and_scrub():
+    pr = _provider(12, 2)
+    g = torch.Generator().manual_seed(0)
+    outs = wash.generate_tokens(pr, ["the cat.", "a dog."], 10, g)
+    assert [len(o) for o in outs] == [10, 10]
+    hyb = wash.generate_wash([pr, _provider(0, 3)], ["the cat.", "a dog."], 7, g)
+    assert [len(o) for o in hyb] == [7, 7] and all(set(o) <= set(wash.ALPHABET) for o in hyb)
+    text = " ".join(["w"] * 1000)
+    scrubbed = wash.scrub([text], ["x"], 0.3, np.random.default_rng(0))[0].split()
+    assert 0.25 < scrubbed.count("x") / 1000 < 0.35
