@@ -25,8 +25,7 @@ Deviations from the paper (choices the abstract left open):
   query is submitted before any victim; if it already hits an entry it is not inserted (the attack fails).
 - The genetic search starts from the guessed phrasings (half the population) plus random suffixes; random search
   draws only random suffixes from the same word pool.
-- The claim's "positive Spearman" is compared with a null baseline metric of 0 (`baseline/null/tau_spearman`),
-  since the claim contract compares metrics; a constant curve (undefined Spearman) counts as 0.
+- The claim's "positive Spearman" is `method/tau_spearman > 0`; a constant curve (undefined Spearman) counts as 0.
 - tau is set per embedder (their similarity scales differ); the values sit in params.yaml. The test profile uses a
   hashed bag-of-words stand-in for MiniLM (`victim_encoder: hashed`) so CI loads no model.
 - Full: Quora Question Pairs, intents = connected components of duplicate pairs [load_qqp].
@@ -447,7 +446,7 @@ def evaluate(ctx) -> dict[str, float]:
                 benign, hijack
     b, h = np.array(trade["plain"])[:, 1], np.array(trade["plain"])[:, 2]
     rho = spearmanr(b, h).statistic if b.std() > 0 and h.std() > 0 else 0.0
-    m["method/tau_spearman"], m["baseline/null/tau_spearman"] = float(rho), 0.0
+    m["method/tau_spearman"] = float(rho)
     m["detail/paper_hit_rate"] = 0.86
     m["detail/surrogate_queries"] = float(budget[first])
     _plots(ctx.plots_dir, m, trade, curves)
@@ -508,7 +507,7 @@ PAPER = Paper(
         Compare("method/hit_e1", ">", ("baseline/naive/hit_e1", "baseline/random/hit_e1")),
         Compare("method/transfer_1", ">", "baseline/naive/transfer_1"),
         Compare("method/transfer_2", ">", "baseline/naive/transfer_2"),
-        Compare("method/tau_spearman", ">", "baseline/null/tau_spearman"),
+        Compare("method/tau_spearman", ">", 0.0),
     ), summary="black-box CacheAttack beats naive and random on the victim, transfers above naive to the two "
                "non-surrogate embedders, and benign hit rate and hijack rate rise together over tau"),
 )

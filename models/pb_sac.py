@@ -30,8 +30,8 @@ Deviations from the paper (choices the abstract left open):
 - E_rho L_hat in the certificate is a Monte-Carlo average over `cert_samples` weight samples (no extra
   sample-convergence term). The validation estimate averages the loss over independent full episodes, whose
   state distribution is the stationary one of the reset chain.
-- The claim's 0.9 x SAC return and the trivial bound 1 are emitted as `baseline/sac/norm_return_x0.9` and
-  `baseline/vacuous/markov_bound`, since a claim compares metrics. With a negative SAC return 0.9 x is laxer.
+- The claim's 0.9 x SAC return is emitted as the metric `baseline/sac/norm_return_x0.9` (with a negative SAC
+  return 0.9 x is laxer); non-vacuous is `method/markov_bound < 1`.
 - MuJoCo (full profile in the spec) is not wired: the `mujoco` package is not installed and there is no
   hand-written reference controller for normalisation; full runs both classic-control tasks at 200k steps.
 
@@ -550,7 +550,7 @@ PAPER = Paper(
     evaluate=evaluate,
     primary=("method/markov_bound", "min"),
     claim=Claim(all_of=(
-        Compare("method/markov_bound", "<", "baseline/vacuous/markov_bound"),
+        Compare("method/markov_bound", "<", 1.0),  # non-vacuous: the loss lies in [0, 1]
         Compare("method/markov_bound", ">=", "method/validation_loss"),
         Compare("method/norm_return", ">=", "baseline/sac/norm_return_x0.9"),
         Compare("method/markov_bound", "<", "baseline/sac_posthoc/markov_bound"),
