@@ -57,16 +57,17 @@ def test_hostfile_validation_and_launcher(tmp_path):
 
 def test_dvc_push_pull_round_trip_to_a_folder_remote(workspace, tmp_path):
     def dvc(*args):
-        subprocess.run([sys.executable, "-m", "dvc", *args], cwd=workspace, check=True, capture_output=True)
+        out = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=workspace, capture_output=True, text=True)
+        assert out.returncode == 0, f"dvc {' '.join(args)}:\n{out.stdout}\n{out.stderr}"
 
     dvc("repro", "prepare@sei")
     table = workspace / "data" / "sei" / "samples.parquet"
     original = table.read_bytes()
     dvc("remote", "add", "-d", "shared", str(tmp_path / "remote"))
-    dvc("push")
+    dvc("push", "prepare@sei")
     shutil.rmtree(workspace / ".dvc" / "cache")
     shutil.rmtree(workspace / "data" / "sei")
-    dvc("pull")
+    dvc("pull", "prepare@sei")
     assert table.read_bytes() == original
 
 

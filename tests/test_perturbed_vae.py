@@ -1,0 +1,115 @@
+"""PerturbedVAE's mechanism on tiny inputs: the SCM prior's KL, NB likelihood, gates, prediction, metrics, data."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from scipy.stats import nbinom
+
+from models import perturbed_vae as pv
+
+
+def test_kl_scm_prior_matches_torch_distributions():
+    g = torch.Generator().manual_seed(0)
+    a = torch.triu(torch.randn(pv.D_P, pv.D_P, generator=g), 1) * 0.5
+    mu, logvar = torch.randn(4, pv.D_P, generator=g), 0.3 * torch.randn(4, pv.D_P, generator=g)
+    shift = torch.randn(4, pv.D_P, generator=g)
+    b = torch.linalg.inv(torch.eye(pv.D_P) - a)
+    q = torch.distributions.MultivariateNormal(mu, torch.diag_embed(logvar.exp()))
+    prior = torch.distributions.MultivariateNormal(shift @ b.T, b @ b.T)
+    assert torch.allclose(pv.kl_scm_prior(mu, logvar, shift, a), torch.distributions.kl_divergence(q, prior), atol=1e-4)
+
+
+def test_nb_log_prob_matches_scipy():
+    x, mean, theta = torch.tensor([[0.0, 3.0, 17.0]]), torch.tensor([[2.0, 5.0, 9.0]]), torch.tensor([1.5, 10.0, 4.0])
+    ref = nbinom.logpmf(x.numpy(), theta.numpy(), (theta / (theta + mean)).numpy())
+    assert np.allclose(pv.nb_log_prob(x, mean, theta).numpy(), ref, atol=1e-4)
+
+
+def test_hard_concrete_gates_are_exactly_sparse_and_l0_counts_them():
+    log_alpha = torch.tensor([[-10.0, 10.0, 0.0]])
+    assert pv.hard_concrete(log_alpha, training=False).tolist()[0][:2] == [0.0, 1.0]
+    torch.manual_seed(0)
+    samples = pv.hard_concrete(torch.zeros(2000), training=True)
+    assert samples.min() == 0.0 and samples.max() == 1.0 and 0.05 < (samples == 0).float().mean() < 0.5
+    assert pv.l0_penalty(torch.tensor([-10.0])) < 0.01 < 0.99 < pv.l0_penalty(torch.tensor([10.0]))
+
+
+def test_gradient_reversal():
+    x = torch.ones(3, requires_grad=True)
+    pv.GradReverse.apply(x, 0.5).sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), -0.5))
+
+
+def test_predict_moves_control_cells_through_the_scm():
+    p = pv.Params()
+    torch.manual_seed(0)
+    net = pv.PerturbedVAE(12, 3, 5, 16, p).eval()
+    with torch.no_grad():
+        net.a_raw.copy_(torch.randn(pv.D_P, pv.D_P))
+        net.log_alpha.fill_(10.0)  # all gates open
+    x = torch.poisson(torch.full((6, 12), 5.0))
+    mi, _, mp, _ = net.encode(x)
+    lib = torch.full((6,), 1e4)
+    assert torch.allclose(net.predict(x, torch.zeros(3)), pv.log_normalise(net.decode_mean(mi, mp, lib)).mean(0),
+                          atol=1e-5)  # empty set: the control cells themselves
+    pert = torch.tensor([1.0, 0.0, 1.0])
+    b = torch.linalg.inv(torch.eye(pv.D_P) - net.a())
+    moved = mp + (pert @ net.effects) @ b.T  # z_p + (I - A)^-1 sum_g e_g
+    assert torch.allclose(net.predict(x, pert), pv.log_normalise(net.decode_mean(mi, moved, lib)).mean(0), atol=1e-4)
+
+
+def test_mcc_and_mask_f1_are_permutation_invariant():
+    rng = np.random.default_rng(0)
+    true = rng.standard_normal((500, pv.D_P))
+    perm = rng.permutation(pv.D_P)
+    learned = np.empty_like(true)
+    learned[:, perm] = -3.0 * true  # learned dim perm[j] = scaled, sign-flipped true latent j
+    value, match = pv.mcc(learned, true)
+    assert np.isclose(value, 1.0) and (match == perm).all()
+    mask = rng.random((4, pv.D_P)) < 0.3
+    gates = np.zeros((4, pv.D_P))
+    gates[:, perm] = mask
+    assert pv.mask_f1(gates, mask, match) == 1.0
+    assert pv.mask_f1(np.ones((4, pv.D_P)), mask, match) < 0.6  # a dense mask is penalised
+
+
+def test_de20_scores():
+    true = np.linspace(-1, 1, 50)
+    assert np.isclose(pv.de20_scores(2 * true, true)[0], 1.0)
+    assert np.isclose(pv.de20_scores(true + 0.5, true)[1], 0.25)
+
+
+def _condition_share(p: pv.Params) -> float:
+    """Share of the variance of log-normalised expression explained by the perturbation condition (eta^2)."""
+    d = pv.simulate(p)
+    xl = np.log1p(d["counts"] / d["counts"].sum(1, keepdims=True) * 1e4)
+    total = xl.var(0).sum()
+    means = {c: xl[d["cond"] == c].mean(0) for c in set(d["cond"])}
+    between = np.mean([((means[c] - xl.mean(0)) ** 2).sum() for c in d["cond"]])
+    return between / total
+
+
+def test_generator_sparsity_split_and_dominance_knob():
+    p = pv.Params(genes=40, singles=5, doubles=6, cells=1200)
+    d = pv.simulate(p)
+    assert d["mask"].sum(1).min() >= 1 and d["mask"].sum(1).max() <= p.max_targets
+    assert (d["shift"][~d["mask"]] == 0).all()
+    test = set(d["cond"][d["split"] == "test"])
+    assert test and all("+" in c for c in test) and not test & set(d["cond"][d["split"] == "train"])
+    assert {g for c in test for g in c.split("+")} <= set(d["cond"][d["split"] == "train"])  # singles seen
+    dominated = _condition_share(p)
+    balanced = _condition_share(p.model_copy(update={"rho_inv": 0.1}))
+    assert balanced > 2 * dominated  # lowering rho_inv makes the perturbation signal a larger share
+
+
+def test_norman_mtx_loader(tmp_path):
+    from scipy.io import mmwrite
+    from scipy.sparse import csr_matrix
+
+    counts = np.array([[0, 2, 1], [3, 0, 0], [1, 1, 1], [0, 0, 5]])
+    mmwrite(str(tmp_path / "matrix.mtx"), csr_matrix(counts))
+    (tmp_path / "obs.csv").write_text("cell,condition\nc0,ctrl\nc1,A+ctrl\nc2,B+A\nc3,C+B\n")
+    d = pv.load_norman_mtx(tmp_path)
+    assert (d["counts"] == counts).all() and d["cond"].tolist() == ["ctrl", "A", "A+B", "B+C"]
+    assert d["split"].tolist() == ["train", "train", "train", "test"]
