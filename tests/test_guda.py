@@ -1,0 +1,91 @@
+"""GUDA's mechanism on tiny inputs: the ELBO rule with common random numbers, the bounded unlearning objective,
+LOGO masking, the agreement metrics and the baselines' self-attribution."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from models import guda
+from models.common import diffusion as dm
+
+
+def _p(**kw):
+    return guda.Params(**({"n_groups": 3, "channels": (8, 16), "ddpm_steps": 20, "score_pairs": 4} | kw))
+
+
+class Zero(torch.nn.Module):
+    def forward(self, x, t):
+        return torch.zeros_like(x)
+
+
+def test_elbo_matches_hand_computation_and_common_random_numbers_cancel():
+    ab = dm.ddpm_scheduler(20).alphas_cumprod
+    w = dm.ddpm_elbo_weights(ab)
+    t, eps = torch.tensor([0, 5, 19]), torch.randn(3, 1, 8, 8)
+    x = torch.randn(2, 1, 8, 8)
+    got = guda.elbo(Zero(), x, t, eps, w, ab, 20)
+    ref = 20 * (w[t] * eps.pow(2).flatten(1).sum(1)).mean()
+    assert torch.allclose(got, ref.expand(2))  # eps_hat = 0: the error is ||eps||^2 whatever x is
+    net = dm.SmallUNet(1, 1, (8, 16))
+    assert torch.equal(guda.elbo(net, x, t, eps, w, ab, 20), guda.elbo(net, x, t, eps, w, ab, 20))
+
+
+def _batch(n=12):
+    g = torch.Generator().manual_seed(0)
+    return {"x": torch.randn(n, 1, 8, 8, generator=g), "group": torch.arange(n) % 3,
+            "t": torch.randint(0, 20, (n,), generator=g), "noise": torch.randn(n, 1, 8, 8, generator=g)}
+
+
+def test_logo_network_never_sees_its_held_out_group():
+    torch.manual_seed(0)
+    model = guda.Phase1(_p())
+    b = _batch()
+    grads = []
+    for shift in (0.0, 5.0):
+        bb = dict(b, x=b["x"] + shift * (b["group"] == 1).float().view(-1, 1, 1, 1))
+        model.zero_grad()
+        model(bb)["logo1_s0"].backward()
+        grads.append(torch.cat([q.grad.flatten() for q in model.nets["logo1_s0"].parameters()]))
+    assert torch.equal(grads[0], grads[1])  # group 1's images do not touch logo1
+    assert all(torch.equal(a, b_) for a, b_ in zip(model.nets["logo1_s0"].state_dict().values(),
+                                                   model.nets["full_s0"].state_dict().values(), strict=True))
+
+
+def test_unlearning_objective_is_retain_minus_bounded_forget():
+    torch.manual_seed(0)
+    full = dm.SmallUNet(1, 1, (8, 16)).state_dict()
+    b = _batch()
+    open_, capped = guda.Unlearn(_p(alpha=0.5, cap=1e6), full), guda.Unlearn(_p(alpha=0.5, cap=1e-6), full)
+    per = guda.eps_loss(open_.nets["unl0"], b["x"], b["t"], b["noise"], open_.alphas_cumprod, 20)
+    retain, forget = per[b["group"] != 0].mean(), per[b["group"] == 0].mean()
+    assert torch.isclose(open_(b)["unl0"], retain - 0.5 * forget)
+    capped(b)["unl0"].backward()  # the cap is reached: only the retain term has a gradient
+    g_capped = torch.cat([q.grad.flatten() for q in capped.nets["unl0"].parameters()])
+    net = capped.nets["unl0"]
+    net.zero_grad()
+    guda.eps_loss(net, b["x"], b["t"], b["noise"], capped.alphas_cumprod, 20)[b["group"] != 0].mean().backward()
+    assert torch.allclose(g_capped, torch.cat([q.grad.flatten() for q in net.parameters()]), atol=1e-7)
+
+
+def test_agreement_metrics_known_values():
+    logo = np.array([[0.1, 0.5, 0.3], [0.9, 0.2, 0.4]])
+    perfect = guda.agreement(logo * 2 + 1, logo)
+    assert perfect["top1"] == 1.0 and perfect["spearman"] == 1.0 and np.isclose(perfect["ndcg3"], 1.0)
+    reverse = guda.agreement(-logo, logo)
+    assert reverse["top1"] == 0.0 and reverse["spearman"] == -1.0
+
+
+def test_baselines_attribute_a_copied_training_image_to_its_group():
+    torch.manual_seed(0)
+    train_x, groups = torch.randn(3, 1, 8, 8), torch.tensor([0, 1, 2])  # one image per group
+    gen = train_x[[2, 0]]  # exact copies of group 2's and group 0's images
+    sim = guda.similarity_scores(guda.Classifier(3), gen, train_x, groups, 3)
+    assert sim.argmax(1).tolist() == [2, 0]
+    net = dm.SmallUNet(1, 1, (8, 16))
+    ab = dm.ddpm_scheduler(20).alphas_cumprod
+    t, eps = torch.tensor([3, 9]), torch.randn(2, 1, 8, 8)
+    grad_s = guda.gradient_scores(net, gen, train_x, groups, t, eps, ab, 20, 3, 256, 0)
+    assert grad_s.argmax(1).tolist() == [2, 0] and np.allclose(grad_s.max(1), 1.0, atol=1e-5)  # cosine with itself
+    still = guda.instance_scores(net, gen, train_x, groups, t, eps, ab, 20, 3, steps=2, lr=0.0)
+    assert still.shape == (2, 3) and np.allclose(still, 0.0)
