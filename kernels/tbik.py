@@ -1,0 +1,364 @@
+"""TBIK: tree-based invariant matmul and sum kernels, bit-for-bit identical across tensor-parallel (TP) sizes.
+
+Paper: 003_9a806cafa3d919df.txt, abstract 7. Spec: ../shared/papers/tbik.md.
+
+A row-parallel linear `y = x @ w` shards the reduction dimension K over `tp_size` ranks; each rank computes a
+partial product and an all-reduce adds the partials. The result then depends on `tp_size`, because fp32 and bf16
+additions are not associative. TBIK fixes ONE reduction tree that does not depend on `tp_size`:
+
+- K is cut into S = 16 equal segments (16 = the largest supported TP size); each segment into leaf chunks of
+  BK = 32 (the last one zero-padded, so a segment width such as 11008 / 16 = 688 works);
+- a leaf is one fixed-shape `tl.dot` accumulated in fp32; the leaves of a segment are added by a fixed pairwise
+  tree (`tree_sum`: the largest power-of-two block of leaves as a perfect binary tree, plus the rest recursively),
+  and the 16 segment roots by a perfect binary tree;
+- a shard of K / p owns 16 / p whole segments, a complete subtree, and returns its root in fp32, uncast; the
+  "all-reduce" adds the p roots by the upper levels of the same tree and casts once.
+
+So `tbik_matmul(x, w, p)` is bitwise the same for p in TP_SIZES = (1, 2, 4, 8, 16), any M and N, and any K that 16
+divides. `tbik_sum` reduces the last dimension (an RMSNorm sum of squares, a softmax denominator over a
+vocabulary-parallel lm_head) with the same tree. fp32 and bf16 inputs.
+
+Beside them: `naive_tp_matmul` (each shard a Triton matmul accumulating BK tiles in sequence, cast to the input
+dtype, partials folded in rank order: what serving engines do), `batch_invariant_tp_matmul` (same shard kernel but
+fp32 partials, rank-order fold, one cast: invariant to the batch, not to TP) and `torch_tp_matmul` (torch.matmul per
+shard, then a sum). Every Triton function has a PyTorch reference of the same order (`*_ref`), which the CPU
+pipeline uses for the model and which the tests compare with.
+
+Caveats: on CPU Triton runs only interpreted (`TRITON_INTERPRET=1`, set here when no GPU is present). The
+interpreter's bf16 `tl.dot` is wrong in triton 3.9, so interpreted kernels upcast tiles to fp32 before the dot (a
+bf16 x bf16 product is exact in fp32, so only the leaf's internal summation order can differ from a GPU bf16 dot).
+A leaf's internal order is the hardware's (or NumPy's) and equal across TP sizes because the leaf shape is fixed;
+kernel and reference therefore agree bitwise on the trees but only to rounding inside a leaf.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # Triton runs on CPU only through its interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+SEGMENTS = 16  # canonical tree width = the largest TP size
+BK = 32  # leaf width along K
+TP_SIZES = (1, 2, 4, 8, 16)
+MAX_LEAVES = 63  # leaves per segment the kernels' 6 tree slots hold: K <= 16 * 63 * 32 = 32256
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check(k: int, tp_size: int) -> int:
+    if tp_size not in TP_SIZES:
+        raise ValueError(f"tp_size must be one of {TP_SIZES}, got {tp_size}")
+    if k % SEGMENTS:
+        raise ValueError(f"the reduction dimension ({k}) must be divisible by {SEGMENTS}, the largest TP size")
+    n_leaves = triton.cdiv(k // SEGMENTS, BK)
+    if n_leaves > MAX_LEAVES:
+        raise ValueError(f"K={k} needs {n_leaves} leaves per segment; the kernels hold at most {MAX_LEAVES}")
+    return n_leaves
+
+
+# ---- the fixed tree, in PyTorch ------------------------------------------------------------------------------
+def tree_sum(parts: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Sum along `dim` in the canonical order: the largest power-of-two prefix as a perfect pairwise tree, plus
+    the rest recursively (what the kernels' binary-counter slots compute); fp32 in, fp32 out."""
+    dim = dim % parts.dim()
+    n = parts.shape[dim]
+    if n == 1:
+        return parts.select(dim, 0)
+    head = 1 << (n.bit_length() - 1)
+    if head == n:
+        while parts.shape[dim] > 1:  # one level: pair (0, 1), (2, 3), ...
+            even, odd = parts.unflatten(dim, (-1, 2)).unbind(dim + 1)
+            parts = even + odd
+        return parts.select(dim, 0)
+    return tree_sum(parts.narrow(dim, 0, head), dim) + tree_sum(parts.narrow(dim, head, n - head), dim)
+
+
+def _shard_roots_ref(x: torch.Tensor, w: torch.Tensor, tp_size: int) -> list[torch.Tensor]:
+    k = x.shape[-1]
+    n_leaves = _check(k, tp_size)
+    seg = k // SEGMENTS
+    width = min(BK, seg)  # a lone leaf narrower than BK needs no zero padding (zeros add nothing)
+    xs = x.float().reshape(-1, SEGMENTS, seg)  # (M, S, seg)
+    ws = w.float().reshape(SEGMENTS, seg, -1)  # (S, seg, N)
+    pad = n_leaves * width - seg
+    xs = torch.nn.functional.pad(xs, (0, pad)).unflatten(2, (n_leaves, width))  # (M, S, L, BK)
+    ws = torch.nn.functional.pad(ws, (0, 0, 0, pad)).unflatten(1, (n_leaves, width))  # (S, L, BK, N)
+    per = SEGMENTS // tp_size
+    roots = []
+    for r in range(tp_size):  # shard r owns segments [r * per, (r + 1) * per): a complete subtree
+        xr = xs[:, r * per : (r + 1) * per].permute(1, 2, 0, 3)  # (per, L, M, BK)
+        leaves = xr @ ws[r * per : (r + 1) * per]  # (per, L, M, N): one fp32 matmul per leaf
+        roots.append(tree_sum(tree_sum(leaves, 1), 0))  # leaves -> segment roots -> shard root (M, N)
+    return roots
+
+
+def tbik_matmul_ref(x: torch.Tensor, w: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """PyTorch reference of `tbik_matmul` (same trees); differentiable, used by the CPU pipeline."""
+    roots = _shard_roots_ref(x.reshape(-1, x.shape[-1]), w, tp_size)
+    return tree_sum(torch.stack(roots)).to(x.dtype).reshape(*x.shape[:-1], w.shape[1])  # all-reduce, one cast
+
+
+def tbik_sum_ref(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """PyTorch reference of `tbik_sum`: the last dimension reduced by the canonical tree, fp32 result."""
+    d = x.shape[-1]
+    n_leaves = _check(d, tp_size)
+    seg = d // SEGMENTS
+    xs = torch.nn.functional.pad(x.float().reshape(*x.shape[:-1], SEGMENTS, seg), (0, n_leaves * BK - seg))
+    leaves = xs.unflatten(-1, (n_leaves, BK)).sum(-1)  # (..., S, L): one fixed-width sum per leaf
+    per = SEGMENTS // tp_size
+    roots = [tree_sum(tree_sum(leaves[..., r * per : (r + 1) * per, :], -1), -1) for r in range(tp_size)]
+    return tree_sum(torch.stack(roots))
+
+
+# ---- baselines, in PyTorch ---------------------------------------------------------------------------------
+def _shards(x: torch.Tensor, w: torch.Tensor, tp_size: int):
+    k = x.shape[-1]
+    if k % tp_size:
+        raise ValueError(f"K={k} is not divisible by tp_size={tp_size}")
+    step = k // tp_size
+    return [(x[..., r * step : (r + 1) * step], w[r * step : (r + 1) * step]) for r in range(tp_size)]
+
+
+def _rank_fold(parts: list[torch.Tensor]) -> torch.Tensor:
+    out = parts[0]
+    for part in parts[1:]:  # ((p0 + p1) + p2) + ...: the all-reduce's rank order, in the partials' dtype
+        out = out + part
+    return out
+
+
+def _sequential_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A shard's sequential kernel: fp32 accumulator += one BK-wide tile product at a time."""
+    acc = None
+    for k0 in range(0, x.shape[-1], BK):
+        tile = x[..., k0 : k0 + BK].float() @ w[k0 : k0 + BK].float()
+        acc = tile if acc is None else acc + tile
+    return acc
+
+
+def naive_tp_matmul_ref(x: torch.Tensor, w: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """Reference of `naive_tp_matmul`: sequential shards cast to the input dtype, folded in rank order."""
+    return _rank_fold([_sequential_ref(xr, wr).to(x.dtype) for xr, wr in _shards(x, w, tp_size)])
+
+
+def batch_invariant_tp_matmul_ref(x: torch.Tensor, w: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """Reference of `batch_invariant_tp_matmul`: sequential fp32 shards, fp32 rank-order fold, one cast."""
+    return _rank_fold([_sequential_ref(xr, wr) for xr, wr in _shards(x, w, tp_size)]).to(x.dtype)
+
+
+def torch_tp_matmul(x: torch.Tensor, w: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """Framework default: torch.matmul (cuBLAS / oneDNN) per shard, then a sum in rank order."""
+    return _rank_fold([xr @ wr for xr, wr in _shards(x, w, tp_size)])
+
+
+def naive_tp_sum_ref(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """A vocabulary-parallel softmax denominator as frameworks compute it: torch.sum per shard, rank-order fold."""
+    step = x.shape[-1] // tp_size
+    return _rank_fold([x[..., r * step : (r + 1) * step].float().sum(-1) for r in range(tp_size)])
+
+
+# ---- Triton kernels ----------------------------------------------------------------------------------------
+@triton.jit
+def _push(s0, s1, s2, s3, s4, s5, leaf, i, DEPTH: tl.constexpr):
+    """Push leaf i into a binary counter of complete subtrees: before the push, slot L is full iff bit L of i is 1.
+    The carry reaches level L iff bits 0..L-1 of i are all 1; there it merges with a full slot (left + right) and
+    climbs on, or lands in the empty slot. Levels >= DEPTH (the bit length of the leaf count) stay unused; the
+    levels are written out because nested calls and loops over tuples are slow or unsupported when interpreted."""
+    c = leaf
+    go = i >= 0  # the carry is still climbing
+    full = (i & 1) != 0
+    s0, c, go = tl.where(go & ~full, c, s0), tl.where(go & full, s0 + c, c), go & full
+    if DEPTH > 1:
+        full = (i & 2) != 0
+        s1, c, go = tl.where(go & ~full, c, s1), tl.where(go & full, s1 + c, c), go & full
+    if DEPTH > 2:
+        full = (i & 4) != 0
+        s2, c, go = tl.where(go & ~full, c, s2), tl.where(go & full, s2 + c, c), go & full
+    if DEPTH > 3:
+        full = (i & 8) != 0
+        s3, c, go = tl.where(go & ~full, c, s3), tl.where(go & full, s3 + c, c), go & full
+    if DEPTH > 4:
+        full = (i & 16) != 0
+        s4, c, go = tl.where(go & ~full, c, s4), tl.where(go & full, s4 + c, c), go & full
+    if DEPTH > 5:
+        full = (i & 32) != 0
+        s5 = tl.where(go & ~full, c, s5)
+    return s0, s1, s2, s3, s4, s5
+
+
+@triton.jit
+def _fold(s0, s1, s2, s3, s4, s5, n, DEPTH: tl.constexpr):
+    """Root of n pushed leaves: the full slots (bits of n) added smallest (rightmost) first."""
+    r = s0
+    have = (n & 1) != 0
+    if DEPTH > 1:
+        r, have = tl.where((n & 2) != 0, tl.where(have, s1 + r, s1), r), have | ((n & 2) != 0)
+    if DEPTH > 2:
+        r, have = tl.where((n & 4) != 0, tl.where(have, s2 + r, s2), r), have | ((n & 4) != 0)
+    if DEPTH > 3:
+        r, have = tl.where((n & 8) != 0, tl.where(have, s3 + r, s3), r), have | ((n & 8) != 0)
+    if DEPTH > 4:
+        r, have = tl.where((n & 16) != 0, tl.where(have, s4 + r, s4), r), have | ((n & 16) != 0)
+    if DEPTH > 5:
+        r = tl.where((n & 32) != 0, tl.where(have, s5 + r, s5), r)
+    return r
+
+
+@triton.jit
+def _segment_matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, seg_len, n_leaves,
+                           stride_xm, stride_xk, stride_wk, stride_wn,
+                           BM: tl.constexpr, BN: tl.constexpr, BK_: tl.constexpr, UPCAST: tl.constexpr,
+                           DEPTH: tl.constexpr):
+    """One program = one (BM, BN) tile of one segment's root: its leaves, one tl.dot each, added by the tree."""
+    pid_m, pid_n, seg = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)  # int64 offsets: no int32 overflow checks when interpreted
+    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK_).to(tl.int64)
+    zero = tl.zeros((BM, BN), dtype=tl.float32)
+    s0, s1, s2, s3, s4, s5 = zero, zero, zero, zero, zero, zero
+    for leaf in range(0, n_leaves):
+        kk = leaf * BK_ + rk  # position inside the segment; past seg_len = zero padding
+        k_abs = seg * seg_len + kk
+        a = tl.load(x_ptr + rm[:, None] * stride_xm + k_abs[None, :] * stride_xk,
+                    mask=(rm[:, None] < M) & (kk[None, :] < seg_len), other=0.0)  # (BM, BK)
+        b = tl.load(w_ptr + k_abs[:, None] * stride_wk + rn[None, :] * stride_wn,
+                    mask=(kk[:, None] < seg_len) & (rn[None, :] < N), other=0.0)  # (BK, BN)
+        if UPCAST:
+            v = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            v = tl.dot(a, b, out_dtype=tl.float32)
+        s0, s1, s2, s3, s4, s5 = _push(s0, s1, s2, s3, s4, s5, v, leaf, DEPTH)
+    root = _fold(s0, s1, s2, s3, s4, s5, n_leaves, DEPTH)
+    out = out_ptr + seg * M * N + rm[:, None] * N + rn[None, :]
+    tl.store(out, root, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _segment_sum_kernel(x_ptr, out_ptr, R, seg_len, n_leaves, stride_r, BR: tl.constexpr, BK_: tl.constexpr,
+                        DEPTH: tl.constexpr):
+    """One program = BR rows of one segment: leaves of BK_ elements (one tl.sum each), added by the tree."""
+    pid, seg = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    rr = pid.to(tl.int64) * BR + tl.arange(0, BR)
+    rk = tl.arange(0, BK_).to(tl.int64)
+    zero = tl.zeros((BR,), dtype=tl.float32)
+    s0, s1, s2, s3, s4, s5 = zero, zero, zero, zero, zero, zero
+    for leaf in range(0, n_leaves):
+        kk = leaf * BK_ + rk
+        v = tl.load(x_ptr + rr[:, None] * stride_r + (seg * seg_len + kk)[None, :],
+                    mask=(rr[:, None] < R) & (kk[None, :] < seg_len), other=0.0)
+        s0, s1, s2, s3, s4, s5 = _push(s0, s1, s2, s3, s4, s5, tl.sum(v.to(tl.float32), axis=1), leaf, DEPTH)
+    tl.store(out_ptr + seg * R + rr, _fold(s0, s1, s2, s3, s4, s5, n_leaves, DEPTH), mask=rr < R)
+
+
+@triton.jit
+def _pair_add_kernel(in_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+    """One tree level: out[i] = in[2i] + in[2i + 1], each row `numel` fp32 values."""
+    i, pid = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    a = tl.load(in_ptr + (2 * i) * numel + offs, mask=mask)
+    b = tl.load(in_ptr + (2 * i + 1) * numel + offs, mask=mask)
+    tl.store(out_ptr + i * numel + offs, a + b, mask=mask)
+
+
+@triton.jit
+def _sequential_matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
+                              BM: tl.constexpr, BN: tl.constexpr, BK_: tl.constexpr, UPCAST: tl.constexpr):
+    """The usual kernel: an fp32 accumulator adds one BK-wide tile product after the other; stores in out's dtype."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)  # int64 offsets: no int32 overflow checks when interpreted
+    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK_).to(tl.int64)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK_):
+        kk = k0 + rk
+        a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :] * stride_xk,
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(w_ptr + kk[:, None] * stride_wk + rn[None, :] * stride_wn,
+                    mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        if UPCAST:
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(a, b, out_dtype=tl.float32)
+    tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _upcast(x: torch.Tensor) -> bool:
+    return INTERPRET or x.dtype == torch.float32
+
+
+def _depth(seg_len: int) -> int:
+    return triton.cdiv(seg_len, BK).bit_length()  # tree slots a segment's leaves need
+
+
+def _tree_levels(parts: torch.Tensor) -> torch.Tensor:
+    """(P, ...) fp32 with P a power of two -> (...): the perfect pairwise tree, one `_pair_add_kernel` per level."""
+    while parts.shape[0] > 1:
+        half = parts.shape[0] // 2
+        numel = parts[0].numel()
+        out = torch.empty((half, *parts.shape[1:]), dtype=torch.float32, device=parts.device)
+        block = 1024
+        _pair_add_kernel[(half, triton.cdiv(numel, block))](parts.contiguous(), out, numel, BLOCK=block)
+        parts = out
+    return parts[0]
+
+
+def tbik_shard_root(x: torch.Tensor, w: torch.Tensor, n_segments: int, bm: int = 16, bn: int = 64) -> torch.Tensor:
+    """One rank's work: (M, K_r) @ (K_r, N) with K_r = n_segments segments -> its subtree root (M, N), fp32."""
+    m, k = x.shape
+    n = w.shape[1]
+    seg_len = k // n_segments
+    roots = torch.empty((n_segments, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), n_segments)
+    _segment_matmul_kernel[grid](x, w, roots, m, n, seg_len, triton.cdiv(seg_len, BK),
+                                 x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+                                 BM=bm, BN=bn, BK_=BK, UPCAST=_upcast(x), DEPTH=_depth(seg_len))
+    return _tree_levels(roots)
+
+
+def tbik_matmul(x: torch.Tensor, w: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """x (M, K) @ w (K, N) over `tp_size` simulated row-parallel ranks; bitwise the same for every TP size."""
+    _check(x.shape[1], tp_size)
+    roots = [tbik_shard_root(xr, wr, SEGMENTS // tp_size) for xr, wr in _shards(x, w, tp_size)]
+    return _tree_levels(torch.stack(roots)).to(x.dtype)  # the all-reduce: upper tree levels in fp32, one cast
+
+
+def tbik_sum(x: torch.Tensor, tp_size: int, br: int = 16) -> torch.Tensor:
+    """Sum over the last dimension of x (R, D) with the canonical tree over `tp_size` shards; fp32 (R,)."""
+    r_, d = x.shape
+    _check(d, tp_size)
+    per, seg_len = SEGMENTS // tp_size, d // SEGMENTS
+    roots = []
+    for r in range(tp_size):
+        shard = x[:, r * per * seg_len : (r + 1) * per * seg_len]
+        seg_roots = torch.empty((per, r_), dtype=torch.float32, device=x.device)
+        _segment_sum_kernel[(triton.cdiv(r_, br), per)](shard, seg_roots, r_, seg_len, triton.cdiv(seg_len, BK),
+                                                        shard.stride(0), BR=br, BK_=BK,
+                                                        DEPTH=_depth(seg_len))
+        roots.append(_tree_levels(seg_roots))
+    return _tree_levels(torch.stack(roots))
+
+
+def _sequential_shard(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, bm: int = 16, bn: int = 64):
+    m, k = x.shape
+    n = w.shape[1]
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    _sequential_matmul_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        x, w, out, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+        BM=bm, BN=bn, BK_=BK, UPCAST=_upcast(x))
+    return out
+
+
+def naive_tp_matmul(x: torch.Tensor, w: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """Each shard: the sequential Triton kernel, cast to x's dtype; the all-reduce folds partials in rank order."""
+    return _rank_fold([_sequential_shard(xr, wr, x.dtype) for xr, wr in _shards(x, w, tp_size)])
+
+
+def batch_invariant_tp_matmul(x: torch.Tensor, w: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """Batch-invariant kernels only: fixed order within a shard, fp32 partials folded in rank order, one cast."""
+    return _rank_fold([_sequential_shard(xr, wr, torch.float32) for xr, wr in _shards(x, w, tp_size)]).to(x.dtype)

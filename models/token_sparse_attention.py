@@ -1,0 +1,361 @@
+"""Token Sparse Attention: reversible per-head token selection for long-context prefill.
+
+Seed: 000_2dd18ae8605fb5c1.txt, abstract 3. Spec: ../shared/papers/token_sparse_attention.md.
+Kernels: kernels/token_sparse.py (scoring, budget, Triton gather / scatter, `token_sparse_attention`).
+
+What it implements (function names in brackets):
+- data: sequences over 64 symbols for (a) multi-key associative recall and (b) variable tracking, where the
+  first assignment of a chain looks unimportant to the final query [make_recall, make_tracking]; each ends in a
+  tail of queries ("? k v ? k v ... ? k"), the last value being the answer;
+- a decoder-only transformer with RoPE trained from scratch with dense attention, loss on every tail answer
+  (teacher-forced) through DeepSpeed [LM, answer_targets];
+- at prefill, without retraining, Token Sparse Attention in the sparse layers (the second half): per head, compress
+  Q, K, V to the selected tokens, dense causal SDPA, decompress with zeros elsewhere [LM.forward, mode "tsa"];
+- baselines at the matched budget: dense attention; token eviction (tokens selected once, head-averaged, at the
+  first sparse layer, the rest dropped for all later layers; GemFilter / FastKV) [mode "evict"]; 4 sink tokens +
+  sliding window (StreamingLLM's A-shape) [mode "sink"];
+- accuracy over coverages c, the kept fraction and FLOP ratio sum_h n_keep^2 / (H L^2), and attention latency
+  (scoring + gather + SDPA + scatter vs SDPA) at the profile's lengths [attention_latency].
+
+Deviations from the paper (choices the abstract left open):
+- scoring and budget rules are the spec's (observation window W = 16, pooling 7, coverage budget); the budget is
+  computed per sequence (evaluation runs one sequence at a time);
+- CPU runs use the PyTorch gather / scatter references (`use_triton=False`); the interpreted Triton kernels run
+  once on a tiny shape in evaluate and are compared with them (and in the tests);
+- every pair / chain is queried in a tail (more answer targets per sequence than the spec's single query, to
+  make 400 smoke steps count); accuracy is measured on the final query only;
+- the composition with a block-sparse kernel (top-k blocks of 64) is not implemented: at the smoke length of 128
+  there are only two blocks. Real-benchmark loaders (RULER, LongBench) and Llama-3.1-8B are not implemented.
+- The claim's "at some c" is taken at the coverage with the most pruning whose accuracy drop is at most one
+  point (or, if none, the smallest drop); constants the claim compares with are emitted under
+  `detail/reference/`.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from kernels import token_sparse as T
+from models.common.tables import read_table, write_table
+from models.contract import Claim, Compare, Paper, PaperParams
+
+BOS, ASSIGN, QUERY = 0, 1, 2
+KEYS = range(4, 28)  # 24 key / variable symbols
+VALUES = range(28, 52)  # 24 value symbols
+FILLER = range(52, 64)
+
+
+class Params(PaperParams):
+    seq_len: int = Field(128, ge=32, description="Trained (and evaluated) sequence length L.")
+    n_pairs: int = Field(4, ge=1, le=12, description="Key-value pairs M of the recall task.")
+    hops: int = Field(2, ge=1, le=6, description="Assignments in a variable-tracking chain.")
+    chains: int = Field(3, ge=1, le=6, description="Variable-tracking chains per sequence (each queried).")
+    n_train: int = Field(4000, ge=8, description="Training sequences (half per task).")
+    n_test: int = Field(256, ge=4, description="Test sequences (half per task).")
+    width: int = Field(64, ge=8, description="Model width.")
+    n_layers: int = Field(4, ge=2, description="Transformer layers; the second half are sparse layers.")
+    n_heads: int = Field(4, ge=1, description="Attention heads.")
+    steps: int = Field(400, ge=1, description="Training steps.")
+    batch_size: int = Field(16, ge=2)
+    lr: float = Field(3e-3, gt=0)
+    window: int = Field(16, ge=1, description="Observation window W (always kept).")
+    pool: int = Field(7, ge=1, description="Average-pooling kernel of the scores.")
+    n_min: int = Field(8, ge=1, description="Minimum kept tokens per head besides the window.")
+    coverages: list[float] = Field([0.05, 0.1, 0.2, 0.3], min_length=1, description="Coverage values c.")
+    latency_lengths: list[int] = Field([1024, 2048, 4096], min_length=1, description="Lengths timed.")
+    latency_repeats: int = Field(3, ge=1, description="Timing repeats (median).")
+
+
+# ---- data --------------------------------------------------------------------------------------------------
+def _filler(rng, n):
+    return list(rng.choice(FILLER, n))
+
+
+def make_recall(rng, p: Params):
+    """BOS filler with (k = v) pairs ... then a tail "? k v ? k v ... ? k" querying every pair; the last value is
+    the answer. Earlier tail answers are extra training targets (teacher-forced)."""
+    keys = rng.choice(KEYS, p.n_pairs, replace=False)
+    vals = rng.choice(VALUES, p.n_pairs)
+    order = rng.permutation(p.n_pairs)
+    tail = [t for j in order for t in (QUERY, keys[j], vals[j])][:-1]
+    body = p.seq_len - 1 - len(tail)
+    seq = _filler(rng, body)
+    slots = np.sort(rng.choice(body // 3, p.n_pairs, replace=False)) * 3
+    for s, key, val in zip(slots, keys, vals, strict=True):
+        seq[s : s + 3] = [key, ASSIGN, val]
+    return [BOS, *seq, *tail], int(vals[order[-1]]), [int(s) + 3 for s in slots]
+
+
+def make_tracking(rng, p: Params):
+    """`chains` chains x1 = v ... x2 = x1 ... (interleaved in filler), then "? x_last v ..." per chain: the first
+    assignment matters only through the chain, so it looks unimportant to the final query in early layers."""
+    names = rng.choice(KEYS, (p.chains, p.hops), replace=False)
+    vals = rng.choice(VALUES, p.chains)
+    steps = [(c, h) for h in range(p.hops) for c in range(p.chains)]  # chain c's step h after its step h - 1
+    tail = [t for c in range(p.chains) for t in (QUERY, names[c, -1], vals[c])][:-1]
+    body = p.seq_len - 1 - len(tail)
+    seq = _filler(rng, body)
+    slots = np.sort(rng.choice(body // 3, len(steps), replace=False)) * 3
+    for s, (c, h) in zip(slots, steps, strict=True):
+        seq[s : s + 3] = [names[c, h], ASSIGN, vals[c] if h == 0 else names[c, h - 1]]
+    return [BOS, *seq, *tail], int(vals[-1]), [int(s) + 3 for s, (c, h) in zip(slots, steps, strict=True) if h == 0]
+
+
+def answer_targets(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions t whose next-next token is a queried value ("? k | v"): (B, L) mask and targets; the last
+    position (the final query) is excluded here, its target is the answer column."""
+    mask = torch.zeros_like(tokens, dtype=torch.bool)
+    mask[:, 1:-1] = tokens[:, :-2] == QUERY
+    target = torch.zeros_like(tokens)
+    target[:, :-1] = tokens[:, 1:]
+    return mask, target
+
+
+def prepare(p: Params, out_dir) -> None:
+    rng = np.random.default_rng(p.seed)
+    cols = {c: [] for c in ("seq_id", "task", "length", "tokens", "answer", "needle_positions", "split")}
+    for split, n in (("train", p.n_train), ("test", p.n_test)):
+        for i in range(n):
+            task = "recall" if i % 2 == 0 else "tracking"
+            tokens, answer, needles = (make_recall if task == "recall" else make_tracking)(rng, p)
+            for c, v in zip(cols, (len(cols["seq_id"]), task, len(tokens), np.asarray(tokens, np.int32), answer,
+                                   np.asarray(needles, np.int32), split), strict=True):
+                cols[c].append(v)
+    write_table(out_dir / "sequences.parquet", {k: (np.stack(v) if k == "tokens" else v) for k, v in cols.items()
+                                                if k != "needle_positions"}
+                | {"needle_positions": [",".join(map(str, n)) for n in cols["needle_positions"]]})
+
+
+def _load(data_dir, split):
+    t = read_table(data_dir / "sequences.parquet")
+    sel = t["split"] == split
+    return (torch.from_numpy(t["tokens"][sel].astype(np.int64)), torch.from_numpy(t["answer"][sel].astype(np.int64)),
+            t["task"][sel])
+
+
+# ---- the model ---------------------------------------------------------------------------------------------
+def rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, dh), pos (B, T) original positions (eviction keeps them after dropping tokens)."""
+    half = x.shape[-1] // 2
+    freq = 10_000 ** (-torch.arange(half, device=x.device) / half)
+    ang = pos[:, None, :, None].float() * freq  # (B, 1, T, half)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x1 * ang.sin() + x2 * ang.cos()], -1)
+
+
+class LM(nn.Module):
+    def __init__(self, p: Params):
+        super().__init__()
+        d, self.h = p.width, p.n_heads
+        self.emb = nn.Embedding(64, d)
+        self.blocks = nn.ModuleList(nn.ModuleDict({
+            "ln1": nn.LayerNorm(d), "qkv": nn.Linear(d, 3 * d), "o": nn.Linear(d, d),
+            "ln2": nn.LayerNorm(d), "mlp": nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)),
+        }) for _ in range(p.n_layers))
+        self.ln = nn.LayerNorm(d)
+        self.out = nn.Linear(d, 64)
+        self.sparse_from = p.n_layers // 2
+
+    def forward(self, tokens: torch.Tensor, mode: str = "dense", budget: dict | None = None,
+                all_positions: bool = False) -> torch.Tensor:
+        """(B, L) -> logits of the last position (B, 64), or of every position (B, L, 64) for training.
+        mode: dense | tsa | evict | sink; `budget` holds keep_ratio / coverage and the selection settings, and
+        collects kept fractions under "kept"."""
+        b, length = tokens.shape
+        pos = torch.arange(length, device=tokens.device).expand(b, length)
+        x = self.emb(tokens)  # (B, L, d)
+        for i, blk in enumerate(self.blocks):
+            q, k, v = blk["qkv"](blk["ln1"](x)).unflatten(-1, (3, self.h, -1)).permute(2, 0, 3, 1, 4)  # (B,H,T,dh)
+            q, k = rope(q, pos), rope(k, pos)
+            sparse = mode != "dense" and i >= self.sparse_from
+            if sparse and mode == "tsa":
+                y, idx = T.token_sparse_attention(q, k, v, keep_ratio=budget.get("keep_ratio"),
+                                                  coverage=budget.get("coverage"), window=budget["window"],
+                                                  pool=budget["pool"], n_min=budget["n_min"], use_triton=False,
+                                                  return_indices=True)
+                budget.setdefault("kept", []).append(idx.shape[-1] / length)
+            elif sparse and mode == "evict" and i == self.sparse_from:
+                idx = T.select_tokens(q.mean(1, keepdim=True), k.mean(1, keepdim=True), budget.get("keep_ratio"),
+                                      budget.get("coverage"), budget["window"], budget["pool"], budget["n_min"])
+                keep = idx[:, 0]  # (B, n): one head-averaged selection, dropped tokens never come back
+                budget.setdefault("kept", []).append(keep.shape[-1] / length)
+                x, pos = x.gather(1, keep[..., None].expand(-1, -1, x.shape[-1])), pos.gather(1, keep)
+                q, k, v = (z.gather(2, keep[:, None, :, None].expand(-1, z.shape[1], -1, z.shape[-1]))
+                           for z in (q, k, v))
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            elif sparse and mode == "sink":
+                n = q.shape[-2]
+                keep = budget["n_keep"]  # keys per query: 4 sinks + the most recent keep - 4
+                i_, j_ = torch.arange(n)[:, None], torch.arange(n)[None, :]
+                mask = (j_ <= i_) & ((j_ < 4) | (i_ - j_ < keep - 4))
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device))
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + blk["o"](y.transpose(1, 2).flatten(2))
+            x = x + blk["mlp"](blk["ln2"](x))
+        return self.out(self.ln(x if all_positions else x[:, -1]))  # (B, 64) or (B, L, 64)
+
+
+# ---- train -------------------------------------------------------------------------------------------------
+def train(ctx) -> None:
+    p: Params = ctx.params
+    tokens, answers, _ = _load(ctx.data_dir, "train")
+    torch.manual_seed(p.seed)
+    model = LM(p)
+
+    def batch_fn(step):
+        g = torch.Generator().manual_seed(p.seed * 100_003 + step)
+        i = torch.randint(0, len(tokens), (p.batch_size,), generator=g)
+        return {"tok": tokens[i], "ans": answers[i]}
+
+    def step_fn(engine, batch, step):
+        tok = batch["tok"]
+        logits = engine(tok, all_positions=True)  # (B, L, 64)
+        mask, target = answer_targets(tok)
+        mask[:, -1], target[:, -1] = True, batch["ans"]  # every tail query, the final one included
+        loss = F.cross_entropy(logits[mask], target[mask])
+        acc = (logits[:, -1].argmax(-1) == batch["ans"]).float().mean()
+        return loss, {"final_accuracy": float(acc)}
+
+    ctx.fit("lm", ctx.engine(model, p.lr, weight_decay=0.01), step_fn, batch_fn, p.steps)
+    if ctx.rank == 0:
+        torch.save(model.state_dict(), ctx.out_dir / "model.pt")
+
+
+# ---- evaluate ----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def accuracy(model: LM, tokens, answers, mode="dense", **budget) -> tuple[float, float]:
+    """Exact-match accuracy and mean kept fraction (one sequence at a time: per-sequence budgets)."""
+    if mode == "dense":
+        return float((model(tokens).argmax(-1) == answers).float().mean()), 1.0
+    hits, kept = 0, []
+    for i in range(len(tokens)):
+        b = dict(budget)
+        hits += int(model(tokens[i : i + 1], mode, b).argmax(-1).item() == answers[i].item())
+        kept.append(np.mean(b.get("kept", [budget.get("n_keep", 0) / tokens.shape[1]])))
+    return hits / len(tokens), float(np.mean(kept))
+
+
+def attention_latency(length: int, keep_ratio: float, p: Params, repeats: int) -> tuple[float, float]:
+    """Median seconds of dense SDPA vs Token Sparse Attention (scoring + gather + SDPA + scatter), one layer's
+    attention call on random (1, H, L, dh) tensors."""
+    g = torch.Generator().manual_seed(length)
+    q, k, v = (torch.randn(1, p.n_heads, length, p.width // p.n_heads, generator=g) for _ in range(3))
+
+    def timed(fn):
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    dense = timed(lambda: T.dense_attention_ref(q, k, v))
+    sparse = timed(lambda: T.token_sparse_attention(q, k, v, keep_ratio=keep_ratio, window=p.window, pool=p.pool,
+                                                    use_triton=False))
+    return dense, sparse
+
+
+def evaluate(ctx) -> dict[str, float]:
+    p: Params = ctx.params
+    model = LM(p)
+    model.load_state_dict(torch.load(ctx.out_dir / "model.pt"))
+    model.eval()
+    tokens, answers, tasks = _load(ctx.data_dir, "test")
+    sel = {"window": p.window, "pool": p.pool, "n_min": p.n_min}
+    m: dict[str, float] = {"detail/reference/one": 1.0, "detail/reference/one_point": 0.01}
+    dense_acc, _ = accuracy(model, tokens, answers)
+    m["baseline/dense/accuracy"] = dense_acc
+    m["detail/reference/chance_plus_10"] = 1 / len(VALUES) + 0.10
+    rows = []
+    for c in p.coverages:
+        acc, kept = accuracy(model, tokens, answers, "tsa", coverage=c, **sel)
+        n_keep = max(p.window + 1, round(kept * p.seq_len))
+        ev_acc, _ = accuracy(model, tokens, answers, "evict", keep_ratio=(n_keep - p.window) / (p.seq_len - p.window),
+                             **sel)
+        sink_acc, _ = accuracy(model, tokens, answers, "sink", n_keep=n_keep)
+        rows.append({"c": c, "acc": acc, "kept": kept, "evict": ev_acc, "sink": sink_acc})
+        for k_, v_ in rows[-1].items():
+            m[f"detail/c{c:g}/{k_}"] = float(v_)
+        ctx.progress(f"c={c}: tsa {acc:.3f} (kept {kept:.2f}), evict {ev_acc:.3f}, sink {sink_acc:.3f}, "
+                     f"dense {dense_acc:.3f}")
+    ok = [r for r in rows if dense_acc - r["acc"] <= 0.01]
+    best = max(ok, key=lambda r: r["c"]) if ok else min(rows, key=lambda r: dense_acc - r["acc"])
+    # wall-clock timings are measured once per run and kept beside its outputs, so re-evaluating gives the same
+    # numbers (the registry test re-runs evaluate and expects identical metrics)
+    cache = ctx.out_dir / "latency.json"
+    key = f"{best['kept']:.6f}"
+    timings = json.loads(cache.read_text()) if cache.exists() else {}
+    if key not in timings:
+        timings[key] = {str(n): attention_latency(n, best["kept"], p, p.latency_repeats) for n in p.latency_lengths}
+        cache.write_text(json.dumps(timings))
+    for length in p.latency_lengths:
+        d_t, s_t = timings[key][str(length)]
+        m[f"detail/latency/L{length}/dense_ms"], m[f"detail/latency/L{length}/tsa_ms"] = 1e3 * d_t, 1e3 * s_t
+        m[f"detail/latency/L{length}/speedup"] = d_t / s_t
+    dense_t, sparse_t = timings[key][str(max(p.latency_lengths))]
+    m |= {"method/accuracy": best["acc"], "method/accuracy_drop": dense_acc - best["acc"],
+          "method/coverage": best["c"], "method/kept_fraction": best["kept"],
+          "method/flop_ratio": best["kept"] ** 2,  # sum_h n_keep^2 / (H L^2), equal budgets per head
+          "method/speedup_longest": dense_t / sparse_t,
+          "baseline/eviction/accuracy": best["evict"], "baseline/sink_window/accuracy": best["sink"]}
+    for task in ("recall", "tracking"):
+        s = tasks == task
+        m[f"detail/{task}/dense_accuracy"] = accuracy(model, tokens[s], answers[s])[0]
+    # the Triton kernels (interpreted on CPU) against the PyTorch path the pipeline used, on one tiny shape
+    g = torch.Generator().manual_seed(p.seed)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=g) for _ in range(3))
+    a = T.token_sparse_attention(q, k, v, keep_ratio=0.3, window=8, use_triton=True)
+    b = T.token_sparse_attention(q, k, v, keep_ratio=0.3, window=8, use_triton=False)
+    m["detail/kernels/triton_vs_torch_max_abs"] = float((a - b).abs().max())
+    _plot(ctx.plots_dir / "accuracy_vs_kept.png", rows, dense_acc)
+    return m
+
+
+def _plot(path, rows, dense_acc) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    kept = [r["kept"] for r in rows]
+    for key, label in (("acc", "Token Sparse Attention"), ("evict", "eviction"), ("sink", "sink + window")):
+        ax.plot(kept, [r[key] for r in rows], "o-", label=label)
+    for r in rows:
+        ax.annotate(f"c={r['c']:g}", (r["kept"], r["acc"]), fontsize=7)
+    ax.axhline(dense_acc, color="k", ls=":", label="dense")
+    ax.set(xlabel="kept fraction of tokens per head", ylabel="exact-match accuracy", title="accuracy vs budget")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+PAPER = Paper(
+    id="token_sparse_attention",
+    title="Token Sparse Attention: reversible per-head token selection for long-context prefill",
+    seed="000_2dd18ae8605fb5c1.txt, abstract 3",
+    Params=Params,
+    prepare=prepare,
+    train=train,
+    evaluate=evaluate,
+    primary=("method/speedup_longest", "max"),
+    claim=Claim(all_of=(
+        Compare("baseline/dense/accuracy", ">", "detail/reference/chance_plus_10"),
+        Compare("method/speedup_longest", ">", "detail/reference/one"),
+        Compare("method/accuracy_drop", "<=", "detail/reference/one_point"),
+        Compare("method/accuracy", ">=", "baseline/eviction/accuracy"),
+        Compare("method/accuracy", ">=", "baseline/sink_window/accuracy"),
+    ), summary="at some coverage: attention faster at the longest length, accuracy within 1 point of dense, "
+               "and at least eviction's and sink+window's at the same budget"),
+)

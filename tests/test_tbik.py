@@ -1,0 +1,149 @@
+"""TBIK kernels and pipeline parts: bitwise invariance across TP sizes, the tree order, baselines' divergence.
+
+Triton kernels run interpreted on CPU (TRITON_INTERPRET=1) and compiled when a GPU is present (same tests)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from kernels import tbik as K  # noqa: E402
+from models import tbik as M  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _pair(m, n, k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * 10 ** (torch.rand(k, generator=g) * 4 - 2)
+    w = torch.randn(k, n, generator=g)
+    return x.to(dtype).to(DEVICE), w.to(dtype).to(DEVICE)
+
+
+def _python_tree(values: list[float]) -> torch.Tensor:
+    """The canonical order written as plain recursion on fp32 scalars."""
+    if len(values) == 1:
+        return torch.tensor(values[0], dtype=torch.float32)
+    head = 1 << (len(values).bit_length() - 1)  # largest power of two in n: the left block
+    if head == len(values):
+        head //= 2  # a perfect tree: halves
+    return _python_tree(values[:head]) + _python_tree(values[head:])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 7, 11, 16, 21])
+def test_tree_sum_is_the_canonical_order(n):
+    g = torch.Generator().manual_seed(n)
+    v = (torch.randn(n, generator=g) * 10 ** (torch.rand(n, generator=g) * 8 - 4)).float()
+    assert torch.equal(K.tree_sum(v), _python_tree(v.tolist()))
+
+
+# shapes: length-1 rows and columns with K smaller than one leaf; segments of 40 and 70 (not a multiple of BK=32,
+# 2 and 3 leaves: a non-power-of-two leaf tree); M, N not multiples of the tile sizes
+CASES = [(1, 1, 16, torch.float32), (5, 33, 640, torch.bfloat16), (3, 70, 1120, torch.float32),
+         (4, 16, 256, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("m,n,k,dtype", CASES)
+def test_tbik_matmul_bitwise_invariant_across_every_tp_size(m, n, k, dtype):
+    x, w = _pair(m, n, k, dtype)
+    outs = {tp: K.tbik_matmul(x, w, tp) for tp in K.TP_SIZES}
+    for tp, out in outs.items():
+        assert out.dtype == dtype and out.shape == (m, n)
+        assert torch.equal(out, outs[1]), f"TP={tp} differs from TP=1"
+    exact = x.double() @ w.double()
+    ref = K.tbik_matmul_ref(x.cpu(), w.cpu(), 1).to(DEVICE)
+    tol = (x.double().abs() @ w.double().abs()) * (2e-6 if dtype == torch.float32 else 8e-3)
+    assert ((outs[1].double() - exact).abs() <= tol).all()
+    assert ((outs[1].double() - ref.double()).abs() <= tol).all()
+
+
+def test_kernel_and_reference_share_the_tree_bitwise():
+    """Leaf-exact inputs (one nonzero product per 32-wide leaf) make every leaf dot exact whatever its internal
+    order, while the tree additions of mixed magnitudes round: kernel and reference must then agree bitwise."""
+    m, n, k = 3, 8, 16 * 70  # 3 leaves per segment
+    g = torch.Generator().manual_seed(1)
+    x = torch.zeros(m, k)
+    x[:, torch.arange(0, k, 70)[:, None] + torch.arange(0, 70, K.BK)] = 1.0  # first column of every leaf
+    w = (torch.randn(k, n, generator=g) * 2.0 ** torch.randint(-20, 20, (k, n), generator=g)).float()
+    kernel, ref = K.tbik_matmul(x.to(DEVICE), w.to(DEVICE), 4).cpu(), K.tbik_matmul_ref(x, w, 4)
+    assert torch.equal(kernel, ref)
+    sequential = (x[:, :, None] * w[None]).cumsum(1)[:, -1]
+    assert not torch.equal(ref, sequential), "inputs too benign to see the order"
+    s = x * w[:, 0]  # (M, K): one nonzero per leaf, the same leaf-exact construction for the sum
+    assert torch.equal(K.tbik_sum(s.to(DEVICE), 2).cpu(), K.tbik_sum_ref(s, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tbik_sum_invariant_and_close(dtype):
+    x = (torch.randn(17, 16 * 45) * 10 ** (torch.rand(16 * 45) * 6 - 3)).to(dtype).to(DEVICE)
+    outs = {tp: K.tbik_sum(x, tp) for tp in K.TP_SIZES}
+    assert all(torch.equal(o, outs[1]) for o in outs.values())
+    assert torch.allclose(outs[1].double(), x.double().sum(-1), rtol=1e-5, atol=1e-3 * x.double().abs().max().item())
+    refs = {tp: K.tbik_sum_ref(x.cpu(), tp) for tp in K.TP_SIZES}
+    assert all(torch.equal(o, refs[1]) for o in refs.values())
+
+
+def test_naive_and_batch_invariant_kernels_match_references_and_diverge_across_tp():
+    x, w = M.make_case({"seed": 3, "M": 16, "N": 64, "K": 512, "scale_spread": 3.0})
+    x, w = x.to(DEVICE), w.to(DEVICE)
+    naive = {tp: K.naive_tp_matmul(x, w, tp) for tp in (1, 4)}
+    bi = {tp: K.batch_invariant_tp_matmul(x, w, tp) for tp in (1, 4)}
+    for tp in (1, 4):
+        scale = (x.double().abs() @ w.double().abs()) * 1e-2
+        assert ((naive[tp].double() - K.naive_tp_matmul_ref(x.cpu(), w.cpu(), tp).double().to(DEVICE)).abs()
+                <= scale).all()
+        assert ((bi[tp].double() - K.batch_invariant_tp_matmul_ref(x.cpu(), w.cpu(), tp).double().to(DEVICE)).abs()
+                <= scale).all()
+    assert not torch.equal(naive[1], naive[4])
+    assert M.pair_stats(naive)["max_ulp"] > 0
+    assert M.pair_stats({tp: K.tbik_matmul(x, w, tp) for tp in (1, 4)})["differing_elements"] == 0
+
+
+def test_bad_shapes_are_rejected():
+    x, w = _pair(2, 2, 24, torch.float32)
+    with pytest.raises(ValueError, match="divisible by 16"):
+        K.tbik_matmul(x, w, 1)
+    x, w = _pair(2, 2, 32, torch.float32)
+    with pytest.raises(ValueError, match="tp_size"):
+        K.tbik_matmul(x, w, 3)
+
+
+def test_ulp_distance():
+    a = torch.tensor([1.0, -2.0], dtype=torch.bfloat16)
+    b = torch.nextafter(a.float(), torch.tensor([2.0, 0.0])).bfloat16()  # rounds to a itself
+    assert M.ulp_distance(a, a) == 0 and M.ulp_distance(a, b) == 0
+    up = (a.view(torch.int16) + 1).view(torch.bfloat16)  # one bf16 step away from zero
+    assert M.ulp_distance(a, up) == 1
+    assert M.ulp_distance(torch.tensor([0.0]).bfloat16(), torch.tensor([-0.0]).bfloat16()) == 0  # +0 == -0
+
+
+def test_lm_rollout_and_training_logprobs_agree_only_with_tbik():
+    torch.manual_seed(0)
+    lm = M.TinyLM(vocab=64, d=64, n_layers=1, n_heads=2, max_len=24)
+    tok = torch.randint(0, 64, (4, 24))
+    with torch.no_grad():
+        lp = {f: {tp: lm.logprobs(tok, f, tp) for tp in (1, 4, 16)} for f in ("tbik", "naive")}
+        fp32 = lm.logprobs(tok)
+    assert all(torch.equal(lp["tbik"][1], v) for v in lp["tbik"].values())
+    assert any(not torch.equal(lp["naive"][1], v) for v in lp["naive"].values())
+    assert (lp["tbik"][1] - fp32).abs().max() < 0.1  # bf16 inference stays close to the fp32 training path
+    # the REINFORCE step: rollout at TP=4 and training recompute at TP=1 give rho == 1 exactly with TBIK
+    seq = tok[:, :12]
+    roll = lm.logprobs(seq[:, :-1], "tbik", 4)[:, 3:].detach()
+    loss, stats = M.rl_step(lm, "tbik", 1, seq, roll, torch.ones(4), prompt_len=4)
+    assert float(stats["dlogp"].max()) == 0.0 and float(stats["rho_ne1"].max()) == 0.0
+    loss.backward()
+    assert lm.layers[0]["o"].grad is not None and torch.isfinite(lm.layers[0]["o"].grad).all()
+
+
+def test_bigram_reward_and_first_divergence():
+    seq = torch.tensor([[1, 2, 1, 2, 3], [2, 1, 1, 1, 1]])
+    assert M.bigram_reward(seq, (1, 2)).tolist() == [2.0, 0.0]
+    a, b = torch.tensor([[1, 2, 3], [1, 2, 3]]), torch.tensor([[1, 2, 3], [1, 0, 3]])
+    assert M.first_divergence(a, a) == 3 and M.first_divergence(a, b) == 1

@@ -1,0 +1,104 @@
+"""Token Sparse Attention: Triton gather / scatter vs PyTorch, selection rules, equivalence with dense attention.
+
+Triton kernels run interpreted on CPU (TRITON_INTERPRET=1) and compiled when a GPU is present (same tests)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from kernels import token_sparse as T  # noqa: E402
+from models import token_sparse_attention as M  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _qkv(b, h, length, d, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, length, d, generator=g).to(dtype).to(DEVICE) for _ in range(3)]
+
+
+@pytest.mark.parametrize("b,h,length,d,n", [(1, 1, 1, 8, 1), (2, 3, 70, 16, 23), (1, 2, 130, 12, 130)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_scatter_match_torch_bitwise(b, h, length, d, n, dtype):
+    x, y, _ = _qkv(b, h, length, d, dtype)
+    g = torch.Generator().manual_seed(n)
+    idx = torch.stack([torch.randperm(length, generator=g)[:n].sort().values for _ in range(b * h)]).view(b, h, n)
+    idx = idx.to(DEVICE)
+    assert torch.equal(T.gather_tokens(x, idx), T.gather_tokens_ref(x, idx))
+    yc = y[:, :, :n]
+    out = T.scatter_tokens(yc, idx, length)
+    assert torch.equal(out, T.scatter_tokens_ref(yc, idx, length))
+    unselected = torch.ones(b, h, length, dtype=torch.bool, device=DEVICE).scatter(2, idx, False)
+    assert (out[unselected] == 0).all()  # skipped positions get zero for that head
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_keep_ratio_one_equals_dense(causal):
+    q, k, v = _qkv(2, 2, 37, 8)
+    assert torch.equal(T.token_sparse_attention(q, k, v, keep_ratio=1.0, causal=causal),
+                       T.dense_attention_ref(q, k, v, causal=causal))
+
+
+def test_selection_keeps_window_sorted_per_head_and_matches_attention_on_subset():
+    q, k, v = _qkv(1, 2, 64, 8)
+    out, idx = T.token_sparse_attention(q, k, v, keep_ratio=0.25, window=8, return_indices=True)
+    assert idx.shape == (1, 2, 14 + 8)  # round(0.25 * 56) + W
+    assert (idx.diff(dim=-1) > 0).all()
+    assert (idx[..., -8:] == torch.arange(56, 64, device=DEVICE)).all()
+    for head in range(2):  # the kept rows equal causal attention restricted to the kept tokens
+        sel = idx[0, head]
+        sub = T.dense_attention_ref(*(z[:, head : head + 1, sel] for z in (q, k, v)))
+        assert torch.allclose(out[0, head, sel], sub[0, 0], atol=1e-6)
+    one = T.token_sparse_attention(q, k, v, keep_ratio=1e-6, window=8, return_indices=True)[1]
+    assert one.shape[-1] == 1 + 8  # one token kept besides the window
+
+
+def test_importance_scores_find_the_attended_token():
+    q, k, v = _qkv(1, 1, 40, 8)
+    k[0, 0, 5] = q[0, 0, -16:].mean(0) * 20  # every window query attends to key 5
+    s = T.importance_scores(q, k, window=16, pool=1)
+    assert int(s[0, 0].argmax()) == 5
+
+
+def test_coverage_budget_drops_the_low_mass_prefix():
+    scores = torch.tensor([[[0.5, 0.3, 0.1, 0.05, 0.05]]])  # (B=1, H=1, L-W=5)
+    assert T.coverage_budget(scores, 0.0, n_min=1) == 5
+    assert T.coverage_budget(scores, 0.11, n_min=1) == 3  # drops 0.05 + 0.05 (< 0.11), not the 0.1
+    assert T.coverage_budget(scores, 0.99, n_min=2) == 2  # n_min floor
+
+
+def test_data_answers_follow_from_the_sequences():
+    p = M.Params(seq_len=64, n_pairs=3, hops=3)
+    rng = np.random.default_rng(0)
+    seq, ans, _ = M.make_recall(rng, p)
+    assert len(seq) == 64 and seq[-2] == M.QUERY
+    i = max(j for j in range(len(seq) - 2) if seq[j] == seq[-1] and seq[j + 1] == M.ASSIGN)
+    assert seq[i + 2] == ans
+    seq, ans, _ = M.make_tracking(rng, p)
+    env = {}
+    for j in range(len(seq) - 2):
+        if seq[j + 1] == M.ASSIGN and j + 2 < len(seq) - 2:
+            rhs = seq[j + 2]
+            env[seq[j]] = env.get(rhs, rhs)
+    assert env[seq[-1]] == ans
+
+
+def test_model_modes_run_and_tsa_with_all_tokens_equals_dense():
+    p = M.Params(seq_len=48, width=16, n_layers=2, n_heads=2, window=8, n_min=2)
+    torch.manual_seed(0)
+    model = M.LM(p).eval()
+    tok = torch.randint(0, 64, (1, 48))
+    with torch.no_grad():
+        dense = model(tok)
+        assert torch.equal(model(tok, "tsa", {"keep_ratio": 1.0, "window": 8, "pool": 7, "n_min": 2}), dense)
+        for mode, budget in (("tsa", {"coverage": 0.2}), ("evict", {"keep_ratio": 0.3}), ("sink", {"n_keep": 12})):
+            out = model(tok, mode, {"window": 8, "pool": 7, "n_min": 2, **budget})
+            assert out.shape == (1, 64) and torch.isfinite(out).all()
