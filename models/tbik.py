@@ -29,8 +29,8 @@ Deviations from the paper (choices the abstract left open):
 - The rollout engine samples token by token and then scores the finished sequences in one prefill pass at TP=4;
   the training engine scores the same sequences at TP=1. Both passes have the same shapes, so only the TP size
   differs (batch invariance, the prior work the paper builds on, is assumed rather than tested).
-- The claim compares with a constant: `detail/reference/zero` = 0 is emitted for that purpose. The "inconclusive:
-  inputs too benign" outcome of the spec shows as `baseline/naive/differing_elements > zero` not holding.
+- The "inconclusive: inputs too benign" outcome of the spec shows as `baseline/naive/differing_elements > 0`
+  not holding.
 - Full profile: larger shapes and model only; real multi-GPU TP and an open-weight checkpoint are not implemented.
 """
 
@@ -368,7 +368,7 @@ def evaluate(ctx) -> dict[str, float]:
             -1, tokens[int(0.9 * len(tokens)):][:64, 1:, None]).mean()
     rl = torch.load(ctx.out_dir / "rl.pt", weights_only=False)
     st = rl["state"]
-    metrics: dict[str, float] = {"detail/reference/zero": 0.0, "detail/lm/heldout_nll": float(nll)}
+    metrics: dict[str, float] = {"detail/lm/heldout_nll": float(nll)}
     for fam in FAMILIES:
         prefix = "method/" if fam == "tbik" else f"baseline/{fam}/"
         for k, v in agg[fam].items():
@@ -423,7 +423,7 @@ def _plots(plots_dir, heat, tp_sizes, st) -> None:
     plt.close(fig)
 
 
-ZERO = "detail/reference/zero"
+ZERO = 0.0
 PAPER = Paper(
     id="tbik",
     title="TBIK: tree-based invariant kernels for determinism across tensor-parallel sizes",
