@@ -44,6 +44,8 @@ def configure_environment() -> None:
         "TORCH_EXTENSIONS_DIR": str(_PACKAGE_ROOT / ".cache" / "torch_extensions"),
         "DVC_SITE_CACHE_DIR": str(r / ".dvc" / "site-cache"),
         "DS_ACCELERATOR": "cpu" if not _has_cuda() else "cuda",
+        # Triton reads this once, at its first import (DeepSpeed imports it early): kernels run interpreted on CPU
+        "TRITON_INTERPRET": "0" if _has_cuda() else "1",
         "MLFLOW_DISABLE_TELEMETRY": "true",
         "DO_NOT_TRACK": "1",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",

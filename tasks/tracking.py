@@ -13,7 +13,6 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
-import mlflow
 from mlflow import MlflowClient
 from mlflow.entities import RunStatus
 
@@ -24,9 +23,9 @@ TAG = "paperline."
 
 
 def client() -> MlflowClient:
-    uri = settings.tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    return MlflowClient(uri)
+    # explicit client only: mlflow.set_tracking_uri would also export MLFLOW_TRACKING_URI to every later
+    # subprocess and workspace of this process
+    return MlflowClient(settings.tracking_uri())
 
 
 def check_reachable() -> None:

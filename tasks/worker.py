@@ -16,8 +16,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from models import registry
-from tasks.context import MetricSink, TrainContext
+from tasks.settings import configure_environment
+
+configure_environment()  # before any import that may import triton or deepspeed
+
+from models import registry  # noqa: E402
+from tasks.context import MetricSink, TrainContext  # noqa: E402
 
 DONE_MARKER = "TRAIN_DONE"
 
@@ -73,9 +77,6 @@ def train_in_process(paper_id: str, params, data_dir: Path, out_dir: Path) -> No
 
 
 if __name__ == "__main__":
-    from tasks.settings import configure_environment
-
-    configure_environment()
     run(json.loads(Path(sys.argv[1]).read_text()))
     if dist.is_initialized():
         dist.destroy_process_group()
