@@ -1,10 +1,11 @@
-"""The `paperline` command: list, run, report, ui, serve. Bad input exits with code 2 before any work."""
+"""The `paperline` command: list, run, reproduce, report, ui, serve. Bad input exits with code 2 before any work."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -14,8 +15,9 @@ from tasks.settings import configure_environment
 
 configure_environment()
 
+from flows.cache import lookup  # noqa: E402
 from models import registry  # noqa: E402
-from tasks import settings  # noqa: E402
+from tasks import settings, tracking  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Reproduce, retrain and compare the ICML 2026 paper pipelines.")
@@ -48,23 +50,39 @@ def run(
     hostfile: Annotated[str | None, typer.Option(help="DeepSpeed hostfile: train across its machines.")] = None,
 ) -> None:
     """Run paper pipelines (prepare -> train -> evaluate -> claim); each ends with its claim line."""
-    ids = list(registry.papers()) if all_papers else list(papers or [])
+    ids = registry.paper_ids() if all_papers else list(papers or [])
     if not ids:
         _fail("name paper ids or pass --all")
     try:
         overrides = registry.parse_overrides(set_)
-        for pid in ids:  # every id, profile and override checked before any work
-            registry.resolve(pid, profile, overrides, settings.params_file())
+        if overrides and len(ids) > 1:
+            raise registry.ConfigError("--set applies to one paper at a time")
         if hostfile:
             from tasks.train import read_hostfile
 
             read_hostfile(Path(hostfile))
             os.environ["PAPERLINE_HOSTFILE"] = str(Path(hostfile).resolve())
+        for pid in ids:
+            registry.raw_params(pid, profile, overrides, settings.params_file())
+        if tracking.store_exists():  # a server, or the embedded store (whose first use creates it)
+            tracking.check_reachable()
+        # unchanged work answers from MLflow at once, before Prefect starts or any paper is imported
+        reused = {} if force else {pid: hit for pid in ids if (hit := lookup(pid, profile, overrides))}
+        todo = [pid for pid in ids if pid not in reused]
+        for pid in todo:  # every id, profile and override checked before any work
+            registry.resolve(pid, profile, overrides, settings.params_file())
     except registry.ConfigError as e:
         _fail(str(e))
-    from flows.pipeline import run_papers
+    except RuntimeError as e:  # the tracking store is unreachable
+        _fail(str(e), code=1)
+    for hit in reused.values():
+        typer.echo(hit.claim_line())
+    ran = {}
+    if todo:
+        from flows.pipeline import run_papers
 
-    results = run_papers(ids, profile, overrides, force)
+        ran = {r["paper"]: r for r in run_papers(todo, profile, overrides, force)}
+    results = [asdict(reused[pid]) if pid in reused else ran[pid] for pid in ids]
     failed = [r for r in results if "error" in r]
     if len(results) > 1:
         typer.echo("\nsummary:")
@@ -93,11 +111,29 @@ def report(profile: Annotated[str, typer.Option(help="Latest run of this profile
 
 
 @app.command()
+def reproduce(
+    run_id: Annotated[str, typer.Argument(help="The MLflow run to reproduce.")],
+    keep: Annotated[bool, typer.Option(help="Keep the scratch checkout (.cache/reproduce/<run id>).")] = False,
+) -> None:
+    """Rerun a recorded run from its lineage (code commit, params, profile, world size, data) in a scratch
+    checkout; print metric by metric whether the new run matches bitwise. Exit 1 when it does not."""
+    from flows.reproduce import reproduce as rerun
+
+    try:
+        result = rerun(run_id, keep)
+    except registry.ConfigError as e:
+        _fail(str(e))
+    typer.echo(result.table())
+    if not result.matches:
+        raise typer.Exit(1)
+
+
+@app.command()
 def ui(port: Annotated[int, typer.Option()] = 5000) -> None:
     """Serve the MLflow UI on 127.0.0.1 over the tracking store."""
     store = settings.tracking_uri()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    typer.echo(f"MLflow UI on http://127.0.0.1:{port} (store {store})")
+    typer.echo(f"MLflow UI on http://127.0.0.1:{port} (store {settings.mask(store)})")
     subprocess.run([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", store, "--default-artifact-root",
                     settings.artifact_root().as_uri(), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
                    env=env, check=False)

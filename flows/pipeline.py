@@ -6,8 +6,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
 from tasks.settings import configure_environment
@@ -18,27 +17,12 @@ from mlflow.entities import Param, RunStatus, RunTag  # noqa: E402
 from prefect import flow, get_run_logger, runtime  # noqa: E402
 from prefect.concurrency.sync import concurrency  # noqa: E402
 
+from flows.cache import PipelineResult, is_default_run  # noqa: E402
 from models import registry  # noqa: E402
-from tasks import data, settings, tracking  # noqa: E402
+from tasks import settings, tracking  # noqa: E402
+from tasks.context import send_pending  # noqa: E402
 from tasks.steps import evaluate_task, prepare_task, train_task  # noqa: E402
 from tasks.train import TrainJob  # noqa: E402
-
-
-@dataclass
-class PipelineResult:
-    paper: str
-    profile: str
-    run_id: str
-    reused: bool
-    holds: bool
-    claim_text: str
-    claim_numbers: str
-    data_hash: str
-    seconds: float
-
-    def claim_line(self) -> str:
-        verdict = "holds" if self.holds else "does not hold"
-        return f"claim {self.paper}: {self.claim_text} -> {verdict}\n  {self.claim_numbers}"
 
 
 def _say(message: str) -> None:
@@ -63,25 +47,21 @@ def paper_pipeline(paper: str, profile: str = "smoke", overrides: dict[str, Any]
 
 def _run(spec, profile: str, overrides: dict[str, Any], params, force: bool, start: float) -> dict:
     paper = spec.id
-    is_default = profile == data.DEFAULT_PROFILE and not overrides
+    is_default = is_default_run(profile, overrides)
+    raw = registry.raw_params(paper, profile, overrides, settings.params_file())
 
     _say(f"[{paper}] prepare: DVC stage {'prepare@' + paper if is_default else profile + ' variant'}")
-    prepared = prepare_task(spec, profile, params, is_default, force=False)
+    prepared = prepare_task(spec, profile, params, raw, is_default, force=False)
     _say(f"[{paper}] data {prepared.data_hash} ({'prepared' if prepared.ran else 'up to date'}, "
          f"{prepared.seconds:.1f}s)")
 
     exp_id = tracking.experiment_id(paper)
     tracking.mark_orphans_killed(exp_id)
     resolved = params.model_dump(mode="json")
-    module_file = sys.modules[f"models.{paper}"].__file__
-    key = tracking.cache_key(tracking.code_hash(Path(module_file)),
-                             {"profile": profile, "params": resolved}, prepared.data_hash)
+    key = tracking.run_key(paper, profile, raw, prepared.data_hash)
     cached = None if force else tracking.find_cached(exp_id, key)
     if cached is not None:
-        tags = cached.data.tags
-        result = PipelineResult(paper, profile, cached.info.run_id, True, tags.get("claim.holds") == "true",
-                                tags.get("claim.text", ""), tags.get("claim.numbers", ""), prepared.data_hash,
-                                time.perf_counter() - start)
+        result = PipelineResult.reused_run(cached, paper, profile, prepared.data_hash, start)
         _say(f"[{paper}] unchanged code, params and data: reusing run {cached.info.run_id} (use --force to retrain)")
         print(result.claim_line(), flush=True)
         return asdict(result)
@@ -104,15 +84,24 @@ def _run(spec, profile: str, overrides: dict[str, Any], params, force: bool, sta
         client.set_tag(run_id, "paperline.resumed_by_flow_run", str(runtime.flow_run.id or ""))
         _say(f"[{paper}] continuing interrupted run {run_id} from its checkpoints")
     else:
+        if os.environ.get("PAPERLINE_REPRODUCES"):  # set by `paperline reproduce` for the rerun it starts
+            tags["paperline.reproduces"] = os.environ["PAPERLINE_REPRODUCES"]
         run_id = client.create_run(exp_id, run_name=f"{paper}-{profile}", tags=tags).info.run_id
         client.log_batch(run_id, params=[Param(k, v[:6000]) for k, v in tracking.flatten(resolved).items()],
-                         tags=[RunTag("paperline.claim.spec", spec.claim.text()[:5000])])
+                         tags=[RunTag("paperline.claim.spec", spec.claim.text()[:5000]),
+                               RunTag("paperline.code_ref", tracking.pin_code(run_id))])
+        # the lineage `paperline reproduce` replays: the params as given, exactly (MLflow params are strings)
+        client.log_dict(run_id, {"paper": paper, "profile": profile, "overrides": overrides, "raw_params": raw,
+                                 "params": resolved, "data_hash": prepared.data_hash}, "inputs/run_inputs.json")
     try:
         out_dir = settings.runs_dir() / paper / run_id
         _say(f"[{paper}] train: {params.ranks} DeepSpeed rank(s), MLflow run {run_id}")
         job = TrainJob(paper, params, prepared.stage.out_dir, out_dir, run_id, settings.tracking_uri())
         t_train = time.perf_counter()
         train_task(job)
+        sent = send_pending(client, run_id, out_dir)  # what the ranks could not send while tracking was down
+        if sent:
+            _say(f"[{paper}] sent {sent} metrics held back while the tracking server was unreachable")
         t_eval = time.perf_counter()
         _say(f"[{paper}] evaluate: method and baselines")
         _, claim = evaluate_task(spec, params, prepared.stage.out_dir, out_dir, run_id)
@@ -122,7 +111,11 @@ def _run(spec, profile: str, overrides: dict[str, Any], params, force: bool, sta
             client.log_metric(run_id, f"time/{name}_s", seconds, step=0)
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
     except BaseException:
-        client.set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
+        try:
+            client.set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
+        except Exception:  # noqa: BLE001 - tracking itself is down: the next start marks the run KILLED
+            _say(f"[{paper}] could not mark run {run_id} FAILED (tracking unreachable); checkpoints kept in "
+                 f"{settings.runs_dir() / paper / run_id}, a rerun continues from them")
         raise
     result = PipelineResult(paper, profile, run_id, False, claim.holds, claim.text, claim.numbers,
                             prepared.data_hash, time.perf_counter() - start)
@@ -137,7 +130,7 @@ def _run(spec, profile: str, overrides: dict[str, Any], params, force: bool, sta
 @flow(name="suite")
 def suite(papers: list[str] | None = None, profile: str = "smoke", force: bool = False) -> list[dict]:
     """Every given paper (default: all registered) in turn; one paper's failure is reported, not fatal."""
-    ids = papers or list(registry.papers())
+    ids = papers or registry.paper_ids()
     for pid in ids:  # validate every id and profile before any work
         registry.resolve(pid, profile, None, settings.params_file())
     results: list[dict] = []

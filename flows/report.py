@@ -57,14 +57,14 @@ def scoreboard(profile: str | None = "smoke") -> list[Row]:
 def ui_url() -> str:
     """Where run links point: the tracking server itself, or the embedded store's `paperline ui` default."""
     uri = settings.tracking_uri()
-    return uri.rstrip("/") if uri.startswith("http") else "http://127.0.0.1:5000"
+    return settings.mask(uri).rstrip("/") if uri.startswith("http") else "http://127.0.0.1:5000"
 
 
 def write(rows: list[Row], out_dir: Path | None = None) -> tuple[Path, Path]:
     out_dir = out_dir or settings.root() / "reports"
     ui = ui_url()
     out_dir.mkdir(parents=True, exist_ok=True)
-    md = ["# paperline scoreboard", "", f"Tracking: `{settings.tracking_uri()}`", "",
+    md = ["# paperline scoreboard", "", f"Tracking: `{settings.mask(settings.tracking_uri())}`", "",
           "| paper | verdict | method vs baseline | claim | profile | data hash | MLflow run |",
           "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:

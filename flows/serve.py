@@ -21,7 +21,7 @@ def deployments(cron: str = DEFAULT_CRON, timezone: str = "UTC", papers: list[st
     except ValueError as e:
         raise registry.ConfigError(f"cron schedule {cron!r} / timezone {timezone!r} does not parse "
                                    f"(expected e.g. '0 2 * * *' and 'Europe/Paris'): {e}") from None
-    ids = papers or list(registry.papers())
+    ids = papers or registry.paper_ids()
     for pid in ids:
         registry.get(pid)
     on_demand = [paper_pipeline.to_deployment(name=pid, parameters={"paper": pid, "profile": "smoke"},
@@ -41,5 +41,5 @@ def ensure_paper_limits(papers: list[str]) -> None:
 
 
 def serve_all(cron: str = DEFAULT_CRON, timezone: str = "UTC", papers: list[str] | None = None) -> None:
-    ensure_paper_limits(papers or list(registry.papers()))
+    ensure_paper_limits(papers or registry.paper_ids())
     serve(*deployments(cron, timezone, papers), pause_on_shutdown=False)

@@ -10,10 +10,12 @@ import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:  # annotations only: importing the contract must not cost a torch import (fast CLI paths)
+    import torch
 
 
 class PaperParams(BaseModel):

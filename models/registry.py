@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import re
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
@@ -27,32 +28,48 @@ class ConfigError(ValueError):
     """Bad user input (paper id, profile, parameter, params.yaml): raised before any work starts."""
 
 
+# libyaml when present: params.yaml grows with every paper, and the pure-Python parser costs ~0.3 s on it
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_ID = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def paper_ids() -> list[str]:
+    """Every `models/<id>.py` that may hold a paper, without importing any of them."""
+    return sorted(info.name for info in pkgutil.iter_modules(models.__path__)
+                  if info.name not in _NOT_PAPERS and not info.name.startswith("_"))
+
+
+def module_file(paper_id: str) -> Path:
+    """`models/<id>.py` of a known id; the id is checked before it touches the file system (no path escapes)."""
+    if not isinstance(paper_id, str) or not _ID.fullmatch(paper_id) or paper_id not in paper_ids():
+        raise ConfigError(f"unknown paper id {paper_id!r}; known ids: {', '.join(paper_ids())}")
+    return Path(models.__path__[0]) / f"{paper_id}.py"
+
+
 @cache
+def _load(paper_id: str) -> Paper:
+    module = importlib.import_module(f"models.{paper_id}")
+    paper = getattr(module, "PAPER", None)
+    if not isinstance(paper, Paper):
+        raise TypeError(f"models/{paper_id}.py has no PAPER = Paper(...)")
+    if paper.id != paper_id:
+        raise TypeError(f"models/{paper_id}.py declares id {paper.id!r}; the id must equal the file name")
+    return paper
+
+
 def papers() -> dict[str, Paper]:
-    found: dict[str, Paper] = {}
-    for info in pkgutil.iter_modules(models.__path__):
-        if info.name in _NOT_PAPERS or info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"models.{info.name}")
-        paper = getattr(module, "PAPER", None)
-        if not isinstance(paper, Paper):
-            raise TypeError(f"models/{info.name}.py has no PAPER = Paper(...)")
-        if paper.id != info.name:
-            raise TypeError(f"models/{info.name}.py declares id {paper.id!r}; the id must equal the file name")
-        found[paper.id] = paper
-    return dict(sorted(found.items()))
+    """Every registered paper (imports them all: seconds; `get` imports only the one asked for)."""
+    return {pid: _load(pid) for pid in paper_ids()}
 
 
 def get(paper_id: str) -> Paper:
-    known = papers()
-    if paper_id not in known:
-        raise ConfigError(f"unknown paper id {paper_id!r}; known ids: {', '.join(known)}")
-    return known[paper_id]
+    module_file(paper_id)
+    return _load(paper_id)
 
 
 def load_params_file(path: Path, require_papers: bool = True) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_YAML_LOADER)
     except FileNotFoundError as e:
         raise ConfigError(f"{path} not found: run from the project root or set PAPERLINE_ROOT") from e
     except yaml.YAMLError as e:
@@ -80,16 +97,21 @@ def parse_overrides(pairs: list[str] | Mapping[str, Any] | None) -> dict[str, An
     return out
 
 
-def resolve(paper_id: str, profile: str, overrides: Mapping[str, Any] | None, params_file: Path) -> PaperParams:
-    """Validated params of one paper run. Raises ConfigError naming the culprit; reads nothing but params.yaml."""
-    paper = get(paper_id)
+def raw_params(paper_id: str, profile: str, overrides: Mapping[str, Any] | None, params_file: Path) -> dict[str, Any]:
+    """The profile's section of params.yaml with the overrides on top, not yet validated (no paper import)."""
+    module_file(paper_id)
     if profile not in PROFILES:
         raise ConfigError(f"unknown profile {profile!r}; profiles: {', '.join(PROFILES)}")
     section = load_params_file(params_file)["papers"].get(paper_id)
     if not isinstance(section, dict) or not isinstance(section.get(profile), dict):
         raise ConfigError(f"{params_file}: missing section papers.{paper_id}.{profile}")
-    raw = {**section[profile], **dict(overrides or {})}
-    return validate(paper, raw, where=f"papers.{paper_id}.{profile}")
+    return {**section[profile], **dict(overrides or {})}
+
+
+def resolve(paper_id: str, profile: str, overrides: Mapping[str, Any] | None, params_file: Path) -> PaperParams:
+    """Validated params of one paper run. Raises ConfigError naming the culprit; reads nothing but params.yaml."""
+    raw = raw_params(paper_id, profile, overrides, params_file)
+    return validate(get(paper_id), raw, where=f"papers.{paper_id}.{profile}")
 
 
 def validate(paper: Paper, raw: Mapping[str, Any], where: str) -> PaperParams:

@@ -35,12 +35,18 @@ _METRIC_NAME = re.compile(r"[\w\-./ ]+")
 
 
 class MetricSink:
-    """Rank 0's buffered connection to the MLflow run; `None` run id logs nowhere (in-process tests)."""
+    """Rank 0's buffered connection to the MLflow run; `None` run id logs nowhere (in-process tests).
 
-    def __init__(self, tracking_uri: str | None, run_id: str | None):
+    Metrics are sent when a checkpoint commits. If the tracking server is unreachable then, training goes on: the
+    batch is appended to `<run folder>/pending_metrics.jsonl` (on disk, so a killed rank loses nothing) and sent,
+    before anything newer, at the next flush that reaches the server; the flow sends what is still pending after
+    training (`send_pending`)."""
+
+    def __init__(self, tracking_uri: str | None, run_id: str | None, spill_dir: Path | None = None):
         self.run_id = run_id
         self._buffer: list[tuple[str, float, int]] = []
         self._client = None
+        self._spill = (spill_dir / PENDING_METRICS) if spill_dir else None
         if run_id:
             from mlflow import MlflowClient
 
@@ -53,17 +59,52 @@ class MetricSink:
         self._buffer.extend((k, float(v), step) for k, v in metrics.items())
 
     def flush(self) -> None:
-        if self._client and self._buffer:
-            from mlflow.entities import Metric
-
-            now = int(time.time() * 1000)
-            batch = [Metric(k, v, now, s) for k, v, s in self._buffer]
-            for i in range(0, len(batch), 900):  # MLflow caps a batch at 1000 metrics
-                self._client.log_batch(self.run_id, metrics=batch[i : i + 900])
+        if not self._client:
+            self._buffer.clear()
+            return
+        if self._spill:
+            with open(self._spill, "a") as f:  # durable first, then sent: a failure in between loses nothing
+                f.writelines(json.dumps(m) + "\n" for m in self._buffer)
+            self._buffer.clear()
+            try:
+                send_pending(self._client, self.run_id, self._spill.parent)
+            except Exception as e:  # noqa: BLE001 - tracking down: keep training, the metrics wait on disk
+                print(f"[tracking] unreachable ({type(e).__name__}); metrics kept in {self._spill}, sent at the next "
+                      "checkpoint", file=sys.stderr, flush=True)
+            return
+        _log_metrics(self._client, self.run_id, self._buffer)
         self._buffer.clear()
 
     def drop(self) -> None:
         self._buffer.clear()
+
+
+PENDING_METRICS = "pending_metrics.jsonl"
+
+
+def _log_metrics(client, run_id: str, metrics: list) -> None:
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    batch = [Metric(k, v, now, s) for k, v, s in metrics]
+    for i in range(0, len(batch), 900):  # MLflow caps a batch at 1000 metrics
+        client.log_batch(run_id, metrics=batch[i : i + 900])
+
+
+def send_pending(client, run_id: str, run_dir: Path) -> int:
+    """Send the metrics waiting in `run_dir/pending_metrics.jsonl`, then remove the file; returns how many.
+    Sent batches leave the file as they go, so a failure part-way resends nothing twice."""
+    path = run_dir / PENDING_METRICS
+    if not path.exists():
+        return 0
+    metrics = [tuple(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    for i in range(0, len(metrics), 900):
+        _log_metrics(client, run_id, metrics[i : i + 900])
+        rest = path.with_suffix(".tmp")  # what is still unsent, so a failure later resends nothing twice
+        rest.write_text("".join(json.dumps(m) + "\n" for m in metrics[i + 900 :]))
+        os.replace(rest, path)
+    path.unlink()
+    return len(metrics)
 
 
 @dataclass

@@ -15,6 +15,7 @@ import fcntl
 import hashlib
 import json
 import os
+import sys
 import time
 from contextlib import chdir, contextmanager
 from dataclasses import dataclass
@@ -51,22 +52,32 @@ class PreparedData:
     ran: bool        # whether DVC executed the stage (or restored it) rather than finding it up to date
 
 
-def stage_for(paper: Paper, profile: str, params: PaperParams, is_default: bool) -> DataStage:
+def stage_location(paper_id: str, profile: str, raw_params: dict, is_default: bool) -> DataStage:
+    """Where a run's data stage lives; writes nothing. Variants are named by a digest of the params as given."""
     root = settings.root()
     if is_default:
-        return DataStage(root / "dvc.yaml", f"prepare@{paper.id}", root / "data" / paper.id)
-    resolved = params.model_dump(mode="json")
-    digest = hashlib.sha256(json.dumps(resolved, sort_keys=True).encode()).hexdigest()[:10]
-    folder = root / "variants" / paper.id / f"{profile}-{digest}"
-    folder.mkdir(parents=True, exist_ok=True)
-    module = Path(__import__(f"models.{paper.id}", fromlist=["_"]).__file__)
-    deps = [os.path.relpath(root / "models" / module.name, folder),
-            os.path.relpath(root / "tasks" / "prepare_stage.py", folder)]
-    stage = {"cmd": f"python -m tasks.prepare_stage {paper.id} params data",
-             "deps": deps, "params": ["params"], "outs": ["data"]}
-    _write_if_changed(folder / "params.yaml", yaml.safe_dump({"params": resolved}, sort_keys=True))
-    _write_if_changed(folder / "dvc.yaml", yaml.safe_dump({"stages": {"prepare": stage}}, sort_keys=False))
+        return DataStage(root / "dvc.yaml", f"prepare@{paper_id}", root / "data" / paper_id)
+    digest = hashlib.sha256(json.dumps(raw_params, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    folder = root / "variants" / paper_id / f"{profile}-{digest}"
     return DataStage(folder / "dvc.yaml", "prepare", folder / "data")
+
+
+def stage_for(paper: Paper, profile: str, params: PaperParams, raw_params: dict, is_default: bool) -> DataStage:
+    """The run's data stage; a variant's generated `dvc.yaml` + `params.yaml` (resolved params) are (re)written."""
+    stage = stage_location(paper.id, profile, raw_params, is_default)
+    if is_default:
+        return stage
+    folder = stage.dvc_file.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    root = settings.root()
+    deps = [os.path.relpath(root / "models" / f"{paper.id}.py", folder),
+            os.path.relpath(root / "tasks" / "prepare_stage.py", folder)]
+    stage_spec = {"cmd": f"python -m tasks.prepare_stage {paper.id} params data",
+                  "deps": deps, "params": ["params"], "outs": ["data"]}
+    _write_if_changed(folder / "params.yaml", yaml.safe_dump({"params": params.model_dump(mode="json")},
+                                                             sort_keys=True))
+    _write_if_changed(folder / "dvc.yaml", yaml.safe_dump({"stages": {"prepare": stage_spec}}, sort_keys=False))
+    return stage
 
 
 def reproduce(stage: DataStage, force: bool = False) -> PreparedData:
@@ -95,15 +106,39 @@ def locked_hash(stage: DataStage) -> str | None:
     return entry["outs"][0]["md5"]
 
 
+def current_hash(stage: DataStage) -> str | None:
+    """The stage's data hash if DVC finds it up to date (code, params and data unchanged), else None. Never
+    reproduces anything, and gives up at once (None) when another process holds the DVC lock."""
+    if locked_hash(stage) is None:
+        return None
+    from dvc.repo import Repo
+
+    with dvc_lock(wait=False) as got, chdir(settings.root()):
+        if not got:
+            return None
+        with Repo(str(settings.root())) as repo:
+            changed = repo.status(targets=[stage.target])
+    return None if changed else locked_hash(stage)
+
+
 @contextmanager
-def dvc_lock():
-    """DVC locks the whole repository, so parallel repros fail: serialise them across threads and processes."""
+def dvc_lock(wait: bool = True):
+    """DVC locks the whole repository, so parallel repros fail: serialise them across threads and processes.
+    Yields whether the lock is held (always True when waiting)."""
     path = settings.root() / ".dvc" / "tmp" / "paperline.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            yield
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not wait:
+                yield False
+                return
+            print(f"[dvc] another paperline process is running DVC in {settings.root()}: waiting for its lock "
+                  f"({path})", file=sys.stderr, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield True
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 

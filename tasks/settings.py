@@ -7,6 +7,7 @@ would write under `~` by default (Prefect home, torch extension builds, DVC site
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -35,17 +36,24 @@ def runs_dir() -> Path:
     return root() / "runs"
 
 
+def mask(text: str) -> str:
+    """A URI or message with any password in it replaced (`scheme://user:***@host`): secrets come from the
+    environment and never reach a log, a tag or the terminal."""
+    return re.sub(r"(\w[\w+.-]*://[^:/@\s]*):[^@\s]*@", r"\1:***@", text)
+
+
 def configure_environment() -> None:
     """Keep tool state inside the project and quiet; called once by the CLI and the flows before any tool import."""
     r = root()
+    cuda = _has_cuda()
     # torch extensions (DeepSpeed's CPU ops) are a machine-wide build cache, shared by every workspace.
     defaults = {
         "PREFECT_HOME": str(r / ".prefect"),
         "TORCH_EXTENSIONS_DIR": str(_PACKAGE_ROOT / ".cache" / "torch_extensions"),
         "DVC_SITE_CACHE_DIR": str(r / ".dvc" / "site-cache"),
-        "DS_ACCELERATOR": "cpu" if not _has_cuda() else "cuda",
+        "DS_ACCELERATOR": "cuda" if cuda else "cpu",
         # Triton reads this once, at its first import (DeepSpeed imports it early): kernels run interpreted on CPU
-        "TRITON_INTERPRET": "0" if _has_cuda() else "1",
+        "TRITON_INTERPRET": "0" if cuda else "1",
         "MLFLOW_DISABLE_TELEMETRY": "true",
         "DO_NOT_TRACK": "1",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -66,9 +74,13 @@ def configure_environment() -> None:
 
 
 def _has_cuda() -> bool:
-    try:
-        import torch
+    """Whether a CUDA GPU is usable, without importing torch (1.5 s): a CUDA build of torch and an NVIDIA device."""
+    from importlib import metadata
 
-        return torch.cuda.is_available()
-    except Exception:  # noqa: BLE001 - torch missing or broken: CPU it is
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
         return False
+    if "+cpu" in version or os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
+        return False
+    return Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia/gpus").is_dir()

@@ -20,9 +20,9 @@ from tasks.train import TrainJob, launch
 
 
 @task(name="prepare", retries=1, retry_delay_seconds=2)
-def prepare_task(paper: Paper, profile: str, params: PaperParams, is_default: bool,
+def prepare_task(paper: Paper, profile: str, params: PaperParams, raw_params: dict, is_default: bool,
                  force: bool = False) -> data.PreparedData:
-    stage = data.stage_for(paper, profile, params, is_default)
+    stage = data.stage_for(paper, profile, params, raw_params, is_default)
     return data.reproduce(stage, force=force)
 
 

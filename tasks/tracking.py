@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
+from urllib.parse import urlparse
 
 from mlflow import MlflowClient
 from mlflow.entities import RunStatus
 
+from models.registry import module_file
 from tasks import settings
+from tasks.settings import mask
 
 CODE_ROOTS = ("tasks", "models/common", "models/contract.py", "models/registry.py", "kernels")
 TAG = "paperline."
@@ -28,13 +32,25 @@ def client() -> MlflowClient:
     return MlflowClient(settings.tracking_uri())
 
 
+def store_exists() -> bool:
+    """False only for an embedded SQLite store not created yet (opening it would create it)."""
+    uri = settings.tracking_uri()
+    return not uri.startswith("sqlite:///") or Path(uri.removeprefix("sqlite:///")).exists()
+
+
 def check_reachable() -> None:
-    """Fail before any work when the tracking server is down, with what to do about it."""
+    """Fail before any work when the tracking server is down, with what to do about it. A server's port is probed
+    first, so a dead server fails in milliseconds instead of after MLflow's retries with backoff (minutes)."""
+    uri = settings.tracking_uri()
     try:
+        parsed = urlparse(uri)
+        if parsed.scheme in ("http", "https"):
+            socket.create_connection((parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)),
+                                     timeout=5).close()
         client().search_experiments(max_results=1)
     except Exception as e:  # noqa: BLE001 - any failure here means "cannot track"
-        raise RuntimeError(f"MLflow tracking at {settings.tracking_uri()} is unreachable ({type(e).__name__}: {e}). "
-                           "Start the server or unset MLFLOW_TRACKING_URI to use the embedded store.") from None
+        raise RuntimeError(mask(f"MLflow tracking at {uri} is unreachable ({type(e).__name__}: {e}). "
+                                "Start the server or unset MLFLOW_TRACKING_URI to use the embedded store.")) from None
 
 
 def experiment_id(paper_id: str) -> str:
@@ -60,8 +76,15 @@ def code_hash(paper_module_file: Path) -> str:
 
 
 def cache_key(code: str, params: Mapping, data_hash: str) -> str:
-    blob = json.dumps({"code": code, "params": params, "data": data_hash}, sort_keys=True)
+    blob = json.dumps({"code": code, "params": params, "data": data_hash}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def run_key(paper_id: str, profile: str, raw_params: Mapping, data_hash: str) -> str:
+    """The cache key of a pipeline run. It takes the params as given (profile section + overrides), not the
+    validated model: the paper's code is in the key, so both identify the same work, and this way a cached rerun
+    is found without importing the paper (torch and friends: seconds)."""
+    return cache_key(code_hash(module_file(paper_id)), {"profile": profile, "params": dict(raw_params)}, data_hash)
 
 
 def find_cached(exp_id: str, key: str):
@@ -80,16 +103,33 @@ def find_resumable(exp_id: str, key: str):
     return runs[0] if runs else None
 
 
+def _git(*args: str) -> str:
+    out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                         timeout=10, check=True)
+    return out.stdout.strip()
+
+
 def git_commit() -> str:
+    """HEAD of the code that runs, `-dirty` when tracked files differ from it (dvc.lock and variants are outputs)."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parents[1],
-                             capture_output=True, text=True, timeout=5)
-        commit = out.stdout.strip() or "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).resolve().parents[1], timeout=5).stdout.strip()
-        return commit + ("-dirty" if dirty else "")
+        dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!dvc.lock", ":!variants")
+        return _git("rev-parse", "HEAD") + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def pin_code(run_id: str) -> str:
+    """A commit holding exactly the tracked code this run used, kept alive by `refs/paperline/<run id>`: HEAD when
+    the tree is clean, else a snapshot of the working tree (`git stash create`, which changes nothing checked out).
+    `paperline reproduce` checks it out. Untracked files are not in it."""
+    try:
+        commit = git_commit()
+        snapshot = _git("stash", "create") if commit.endswith("-dirty") else commit
+        snapshot = snapshot or commit.removesuffix("-dirty")
+        _git("update-ref", f"refs/paperline/{run_id}", snapshot)
+        return snapshot
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def flatten(params: Mapping, prefix: str = "") -> dict[str, str]:

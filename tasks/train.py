@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models.contract import PaperParams
+from tasks.settings import mask
 from tasks.worker import DONE_MARKER, free_port
 
 
@@ -38,7 +39,9 @@ def launch(job: TrainJob) -> None:
     ranks = job.params.ranks
     cpus = len(os.sched_getaffinity(0))
     spec = {"paper": job.paper_id, "params": job.params.model_dump(mode="json"), "data_dir": str(job.data_dir),
-            "out_dir": str(job.out_dir), "run_id": job.run_id, "tracking_uri": job.tracking_uri,
+            "out_dir": str(job.out_dir), "run_id": job.run_id,
+            # a URI holding a password stays out of files: the ranks then read it from their environment
+            "tracking_uri": job.tracking_uri if job.tracking_uri == mask(job.tracking_uri or "") else None,
             "threads_per_rank": max(1, cpus // ranks)}
     spec_path.write_text(json.dumps(spec, indent=1))
     command = launcher_command(ranks, spec_path, os.environ.get("PAPERLINE_HOSTFILE"))

@@ -21,6 +21,7 @@ from tasks.settings import configure_environment
 configure_environment()  # before any import that may import triton or deepspeed
 
 from models import registry  # noqa: E402
+from tasks import settings  # noqa: E402
 from tasks.context import MetricSink, TrainContext  # noqa: E402
 
 DONE_MARKER = "TRAIN_DONE"
@@ -58,8 +59,12 @@ def run(spec: dict) -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.manual_seed(params.seed)
     torch.set_num_threads(max(1, int(spec.get("threads_per_rank", 1))))
-    sink = MetricSink(spec.get("tracking_uri"), spec.get("run_id") if rank == 0 else None)
     out_dir = Path(spec["out_dir"])
+    # a tracking server that went away stalls a rank for seconds, not MLflow's default minutes of retries
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+    sink = MetricSink(spec.get("tracking_uri") or settings.tracking_uri(), spec.get("run_id") if rank == 0 else None,
+                      spill_dir=out_dir)
     ctx = TrainContext(params=params, data_dir=Path(spec["data_dir"]), out_dir=out_dir, rank=rank,
                        world_size=world, device=_device(local_rank), sink=sink, label=f"{paper.id} train")
     paper.train(ctx)

@@ -57,10 +57,20 @@ def test_sei_smoke_pipeline_tracks_reuses_and_versions_overrides(workspace, pref
         third["data_hash"]
 
 
-def test_cli_run_prints_claim_line_and_report(workspace, prefect_harness):
+def test_cli_run_prints_claim_line_and_report(workspace, prefect_harness, monkeypatch):
     result = CliRunner().invoke(app, ["run", "sei", "--profile", "test", "--report"])
     assert result.exit_code == 0, result.output
     assert "claim sei: method/cnn_auroc >" in result.output
+    # an unchanged rerun is answered from MLflow + DVC status alone: no flow is started for it
+    import flows.pipeline
+
+    def no_flow(*args, **kwargs):
+        raise AssertionError("a cached rerun must not start a Prefect flow")
+
+    monkeypatch.setattr(flows.pipeline, "run_papers", no_flow)
+    again = CliRunner().invoke(app, ["run", "sei", "--profile", "test"])
+    assert again.exit_code == 0, again.output
+    assert "reusing run" in again.output and again.output.count("claim sei:") == 1
     assert ("-> holds" in result.output) or ("-> does not hold" in result.output)
     board = (workspace / "reports" / "scoreboard.md").read_text()
     assert "| sei |" in board

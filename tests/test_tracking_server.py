@@ -54,3 +54,62 @@ def test_unreachable_tracking_server_fails_before_any_work(workspace, monkeypatc
     with pytest.raises(RuntimeError, match="unreachable.*Start the server or unset MLFLOW_TRACKING_URI"):
         tracking.check_reachable()
     assert not (workspace / "runs").exists() and not (workspace / "data").exists()
+
+
+def _mlflow_server(store: Path, port: int) -> subprocess.Popen:
+    import sys
+    import time
+    import urllib.request
+
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{store}",
+                               "--default-artifact-root", store.with_suffix(".artifacts").as_uri(), "--host",
+                               "127.0.0.1", "--port", str(port), "--workers", "1"], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+                return server
+        time.sleep(0.5)
+    server.kill()
+    raise AssertionError("mlflow server did not start")
+
+
+def _stop(server: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.pid, signal.SIGKILL)
+    server.wait(timeout=30)
+
+
+def test_tracking_lost_mid_run_keeps_metrics_on_disk_and_sends_them_when_back(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    from tasks.context import PENDING_METRICS, MetricSink
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    port, store = free_port(), tmp_path / "mlflow.db"
+    uri = f"http://127.0.0.1:{port}"
+    server = _mlflow_server(store, port)
+    try:
+        client = MlflowClient(uri)
+        run_id = client.create_run(client.create_experiment("lost")).info.run_id
+        sink = MetricSink(uri, run_id, spill_dir=tmp_path)
+        sink.add({"train/x/loss": 1.0}, 1)
+        sink.flush()
+        assert not (tmp_path / PENDING_METRICS).exists()
+        _stop(server)  # the server dies mid-run
+
+        for step in (2, 3):  # training goes on; what it logs waits on disk
+            sink.add({"train/x/loss": float(step)}, step)
+            sink.flush()
+        assert len((tmp_path / PENDING_METRICS).read_text().splitlines()) == 2
+
+        server = _mlflow_server(store, port)  # back, same store
+        sink.add({"train/x/loss": 4.0}, 4)
+        sink.flush()
+        assert not (tmp_path / PENDING_METRICS).exists()
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/x/loss"))
+        assert history == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)]  # everything, once, in order
+    finally:
+        _stop(server)
