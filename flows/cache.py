@@ -58,6 +58,7 @@ def lookup(paper: str, profile: str, overrides: dict[str, Any]) -> PipelineResul
     run = tracking.find_cached(found.experiment_id, tracking.run_key(paper, profile, raw, data_hash))
     if run is None:
         return None
+    tracking.mark_reused(run.info.run_id)
     print(f"[{paper}] unchanged code, params and data: reusing run {run.info.run_id} (use --force to retrain)",
           file=sys.stderr, flush=True)
     return PipelineResult.reused_run(run, paper, profile, data_hash, start)

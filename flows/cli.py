@@ -1,4 +1,6 @@
-"""The `paperline` command: list, run, reproduce, report, ui, serve. Bad input exits with code 2 before any work."""
+"""The `paperline` command: list, run, reproduce, report, promote, ui, serve, server.
+
+Bad input exits with code 2 before any work."""
 
 from __future__ import annotations
 
@@ -81,7 +83,11 @@ def run(
     if todo:
         from flows.pipeline import run_papers
 
-        ran = {r["paper"]: r for r in run_papers(todo, profile, overrides, force)}
+        try:
+            ran = {r["paper"]: r for r in run_papers(todo, profile, overrides, force)}
+        except Exception as e:  # noqa: BLE001 - one paper's run failed: say what, not a traceback
+            _fail(f"{todo[0]} failed: {type(e).__name__}: {tracking.mask(str(e))} (its MLflow run is marked FAILED; "
+                  "finished work is kept and a rerun continues it)", code=1)
     results = [asdict(reused[pid]) if pid in reused else ran[pid] for pid in ids]
     failed = [r for r in results if "error" in r]
     if len(results) > 1:
@@ -105,9 +111,41 @@ def _write_report(profile: str | None) -> None:
 
 
 @app.command()
-def report(profile: Annotated[str, typer.Option(help="Latest run of this profile; 'any' for any.")] = "smoke") -> None:
-    """Write the scoreboard (Markdown + HTML) from the latest finished run of every paper."""
-    _write_report(None if profile == "any" else profile)
+def report(
+    profile: Annotated[str, typer.Option(help="Latest run of this profile; 'any' for any.")] = "smoke",
+    since: Annotated[str | None, typer.Option(help="Morning report of this window instead, e.g. 24h.")] = None,
+) -> None:
+    """Write the scoreboard (Markdown + HTML) from the latest finished run of every paper, or with --since the
+    morning report: retrained / skipped / failed per paper, verdict flips first, primary metric vs champion."""
+    if since is None:
+        _write_report(None if profile == "any" else profile)
+        return
+    from flows import morning
+
+    try:
+        window = morning.parse_window(since)
+    except registry.ConfigError as e:
+        _fail(str(e))
+    md, html = morning.write(morning.morning(window, "smoke" if profile == "any" else profile), since)
+    typer.echo(md.read_text())
+    typer.echo(f"morning report written to {md} and {html}")
+
+
+@app.command()
+def promote(
+    paper: Annotated[str, typer.Argument(help="Paper id.")],
+    version: Annotated[str, typer.Argument(help="Model version to make champion.")],
+    reason: Annotated[str, typer.Option(help="Why, recorded on the version.")] = "",
+) -> None:
+    """Make a registered model version the paper's champion by hand (recorded as such on the version)."""
+    from flows import lifecycle
+
+    try:
+        registry.module_file(paper)
+        decision = lifecycle.promote(paper, version, reason)
+    except registry.ConfigError as e:
+        _fail(str(e))
+    typer.echo(f"{lifecycle.model_name(paper)} v{version}: {decision.alias} ({decision.reason})")
 
 
 @app.command()

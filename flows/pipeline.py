@@ -14,9 +14,10 @@ from tasks.settings import configure_environment
 configure_environment()
 
 from mlflow.entities import Param, RunStatus, RunTag  # noqa: E402
-from prefect import flow, get_run_logger, runtime  # noqa: E402
+from prefect import flow, get_run_logger, runtime, task  # noqa: E402
 from prefect.concurrency.sync import concurrency  # noqa: E402
 
+from flows import lifecycle, morning  # noqa: E402
 from flows.cache import PipelineResult, is_default_run  # noqa: E402
 from models import registry  # noqa: E402
 from tasks import settings, tracking  # noqa: E402
@@ -62,6 +63,7 @@ def _run(spec, profile: str, overrides: dict[str, Any], params, force: bool, sta
     cached = None if force else tracking.find_cached(exp_id, key)
     if cached is not None:
         result = PipelineResult.reused_run(cached, paper, profile, prepared.data_hash, start)
+        tracking.mark_reused(cached.info.run_id)
         _say(f"[{paper}] unchanged code, params and data: reusing run {cached.info.run_id} (use --force to retrain)")
         print(result.claim_line(), flush=True)
         return asdict(result)
@@ -110,6 +112,7 @@ def _run(spec, profile: str, overrides: dict[str, Any], params, force: bool, sta
                               ("evaluate", now - t_eval), ("total", now - start)):
             client.log_metric(run_id, f"time/{name}_s", seconds, step=0)
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
+        promote_task(paper, run_id)
     except BaseException:
         try:
             client.set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
@@ -127,6 +130,14 @@ def _run(spec, profile: str, overrides: dict[str, Any], params, force: bool, sta
     return asdict(result)
 
 
+@task(name="promote")
+def promote_task(paper: str, run_id: str) -> None:
+    """Register the run's model version; `champion` moves to it only if it is at least as good (flows/lifecycle)."""
+    version, decision = lifecycle.register_and_promote(paper, run_id)
+    tracking.client().set_tag(run_id, "paperline.model_version", f"{lifecycle.model_name(paper)}/{version}")
+    _say(f"[{paper}] model {lifecycle.model_name(paper)} v{version}: {decision.alias} ({decision.reason})")
+
+
 @flow(name="suite")
 def suite(papers: list[str] | None = None, profile: str = "smoke", force: bool = False) -> list[dict]:
     """Every given paper (default: all registered) in turn; one paper's failure is reported, not fatal."""
@@ -141,6 +152,8 @@ def suite(papers: list[str] | None = None, profile: str = "smoke", force: bool =
         except Exception as e:  # noqa: BLE001 - report and continue with the next paper
             _say(f"[{pid}] FAILED: {type(e).__name__}: {e}")
             results.append({"paper": pid, "profile": profile, "error": f"{type(e).__name__}: {e}"})
+    md, _ = morning.write(morning.morning(24 * 3600, profile), "24h", stem=f"morning-{time.strftime('%Y-%m-%d')}")
+    _say(f"morning report: {md}")
     return results
 
 

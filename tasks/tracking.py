@@ -11,6 +11,7 @@ import hashlib
 import json
 import socket
 import subprocess
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlparse
@@ -92,6 +93,11 @@ def find_cached(exp_id: str, key: str):
                                 f"attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"],
                                 max_results=1)
     return runs[0] if runs else None
+
+
+def mark_reused(run_id: str) -> None:
+    """Stamp a reused run, so the morning report can tell "skipped: unchanged" from "not run"."""
+    client().set_tag(run_id, f"{TAG}reused_at", str(int(time.time() * 1000)))
 
 
 def find_resumable(exp_id: str, key: str):

@@ -10,7 +10,9 @@ import sys
 import time
 
 import pytest
+from typer.testing import CliRunner
 
+from flows.cli import app
 from tasks import settings, tracking
 
 pytestmark = pytest.mark.e2e
@@ -74,3 +76,12 @@ def test_corrupted_data_is_detected_and_regenerated(workspace, prefect_harness):
     import pyarrow.parquet as pq
 
     assert pq.read_table(table).num_rows > 0
+
+
+def test_unwritable_run_folder_fails_clearly_and_marks_the_run_failed(workspace, prefect_harness):
+    (workspace / "runs").write_text("not a folder")  # stands for a full disk or an unwritable mount
+    result = CliRunner().invoke(app, ["run", "sei", "--profile", "test"])
+    assert result.exit_code == 1
+    assert "error: sei failed:" in result.output and "runs" in result.output
+    (run,) = tracking.client().search_runs([tracking.experiment_id("sei")])
+    assert run.info.status == "FAILED"  # not left RUNNING

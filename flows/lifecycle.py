@@ -1,0 +1,109 @@
+"""Model lifecycle on MLflow's model registry: every finished run registers a version, and the alias `champion`
+moves only to a version at least as good as the current champion on the same evaluation data.
+
+Registered model `paperline-<id>`, one version per finished pipeline run; its source is the run's `outputs/` (the
+trained weights and records; for a paper with nothing to learn, its result files). Each version carries the run's
+lineage (profile, data hash, code commit) and the claim verdict as tags. Promotion rule (`decide`):
+- no champion yet -> champion;
+- the champion was evaluated on other data (another data hash or profile) -> challenger: the primary metrics are
+  not comparable, a person decides (`paperline promote <id> <version>`);
+- the primary metric (`Paper.primary`, with its direction) at least as good as the champion's -> champion;
+- otherwise challenger. The reason is written on the version (`promotion.reason`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mlflow.exceptions import MlflowException
+
+from models import registry
+from tasks import tracking
+
+CHAMPION, CHALLENGER = "champion", "challenger"
+LINEAGE_TAGS = ("paperline.profile", "paperline.data_hash", "paperline.world_size", "mlflow.source.git.commit",
+                "paperline.code_ref", "claim.holds")
+
+
+def model_name(paper_id: str) -> str:
+    return f"paperline-{paper_id}"
+
+
+@dataclass(frozen=True)
+class Decision:
+    alias: str
+    reason: str
+
+
+def decide(primary: tuple[str, str], new: dict, champion: dict | None) -> Decision:
+    """`new` / `champion`: {"value": float, "data_hash": str, "profile": str}. Pure, so the rule is testable."""
+    metric, direction = primary
+    if champion is None:
+        return Decision(CHAMPION, "first version of this paper")
+    if (new["data_hash"], new["profile"]) != (champion["data_hash"], champion["profile"]):
+        return Decision(CHALLENGER, f"champion v{champion['version']} was evaluated on other data "
+                                    f"({champion['profile']} {champion['data_hash'][:12]} vs {new['profile']} "
+                                    f"{new['data_hash'][:12]}): not comparable, promote by hand if intended")
+    a, b = new["value"], champion["value"]
+    better_or_equal = a >= b if direction == "max" else a <= b
+    if math.isfinite(a) and better_or_equal:
+        return Decision(CHAMPION, f"{metric} {a:.6g} vs champion v{champion['version']} {b:.6g} ({direction}): "
+                                  "at least as good")
+    return Decision(CHALLENGER, f"{metric} {a:.6g} vs champion v{champion['version']} {b:.6g} ({direction}): worse")
+
+
+def champion(paper_id: str) -> dict | None:
+    """The current champion version as {"version", "run_id", "value", "data_hash", "profile"}, or None."""
+    client = tracking.client()
+    try:
+        version = client.get_model_version_by_alias(model_name(paper_id), CHAMPION)
+    except MlflowException:
+        return None
+    return _describe(paper_id, version)
+
+
+def _describe(paper_id: str, version) -> dict:
+    metric, _ = registry.get(paper_id).primary
+    run = tracking.client().get_run(version.run_id)
+    return {"version": str(version.version), "run_id": version.run_id, "value": run.data.metrics.get(metric, math.nan),
+            "data_hash": run.data.tags.get("paperline.data_hash", ""),
+            "profile": run.data.tags.get("paperline.profile", "")}
+
+
+def register_and_promote(paper_id: str, run_id: str) -> tuple[str, Decision]:
+    """Register the finished run as a new version, then set `champion` or `challenger` on it by the rule above."""
+    client = tracking.client()
+    name = model_name(paper_id)
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        client.create_registered_model(name, tags={"paperline.paper": paper_id},
+                                       description=registry.get(paper_id).title)
+    run = client.get_run(run_id)
+    tags = {k: run.data.tags[k] for k in LINEAGE_TAGS if k in run.data.tags}
+    version = client.create_model_version(name, source=f"{run.info.artifact_uri}/outputs", run_id=run_id, tags=tags)
+    current = champion(paper_id)
+    decision = decide(registry.get(paper_id).primary, _describe(paper_id, version), current)
+    _apply(paper_id, version.version, decision, by="pipeline")
+    return str(version.version), decision
+
+
+def promote(paper_id: str, version: str, reason: str = "") -> Decision:
+    """Make `version` the champion by hand (`paperline promote`); recorded as such on the version."""
+    client = tracking.client()
+    try:
+        client.get_model_version(model_name(paper_id), version)
+    except MlflowException as e:
+        raise registry.ConfigError(f"no version {version!r} of {model_name(paper_id)}: {e.message}") from None
+    decision = Decision(CHAMPION, f"promoted by hand{': ' + reason if reason else ''}")
+    _apply(paper_id, version, decision, by="hand")
+    return decision
+
+
+def _apply(paper_id: str, version: str, decision: Decision, by: str) -> None:
+    client, name = tracking.client(), model_name(paper_id)
+    client.set_registered_model_alias(name, decision.alias, version)
+    client.set_model_version_tag(name, version, "promotion.reason", decision.reason)
+    client.set_model_version_tag(name, version, "promotion.by", by)
+    client.set_model_version_tag(name, version, "promotion.alias", decision.alias)
