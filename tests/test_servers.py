@@ -76,3 +76,51 @@ def test_serve_schedules_nightly_and_runs_a_triggered_paper(workspace, tmp_path)
                     proc.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+
+
+def test_work_pool_worker_runs_a_deployment_from_prefect_yaml(workspace, tmp_path):
+    """The many-machines path: `prefect deploy --all` from prefect.yaml, a process work pool, a worker that picks up
+    a triggered run (here with --run-once) and runs the pipeline in the project folder."""
+    import shutil
+
+    from tests.conftest import PROJECT
+
+    shutil.copytree(PROJECT / "flows", workspace / "flows", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(PROJECT / "prefect.yaml", workspace / "prefect.yaml")
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": api,
+           "PAPERLINE_ROOT": str(workspace)}
+    server_log = tmp_path / "server.log"
+    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                               str(port), "--analytics-off"], env=env, stdout=server_log.open("w"),
+                              stderr=subprocess.STDOUT)
+    prefect = [sys.executable, "-m", "prefect"]
+    try:
+        _wait(lambda: urllib.request.urlopen(f"{api}/health", timeout=2).status == 200, 240, "Prefect server",
+              [server_log])
+        for command in (["work-pool", "create", "paperline-process", "--type", "process"],
+                        ["--no-prompt", "deploy", "--all"],
+                        ["deployment", "run", "paper-pipeline/on-demand", "--param", "paper=sei", "--param",
+                         "profile=test"]):
+            done = subprocess.run(prefect + command, cwd=workspace, env=env, capture_output=True, text=True,
+                                  timeout=300)
+            assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
+        worker = subprocess.run(prefect + ["worker", "start", "--pool", "paperline-process", "--run-once"],
+                                cwd=workspace, env=env, capture_output=True, text=True, timeout=900)
+        assert worker.returncode == 0, worker.stdout[-3000:] + worker.stderr[-3000:]
+        from prefect.client.orchestration import SyncPrefectClient
+
+        with SyncPrefectClient(api) as client:
+            # the nightly deployment's upcoming runs are there too, still scheduled
+            (flow_run,) = [r for r in client.read_flow_runs() if not r.state.is_scheduled()]
+            assert flow_run.state.is_completed(), flow_run.state
+        runs = tracking.client().search_runs([tracking.experiment_id("sei")],
+                                             filter_string=f"tags.`prefect.flow_run_id` = '{flow_run.id}'")
+        assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
