@@ -256,10 +256,12 @@ class DiT(nn.Module):
     def attend(self, q, k, v, layer: int, grid, attn: str) -> torch.Tensor:
         if attn == "full":
             return F.scaled_dot_product_attention(q, k, v)
+        # the Triton kernel has no backward: it serves GPU inference; training and CPU take the PyTorch tile path
+        triton = q.is_cuda and not torch.is_grad_enabled()
         if attn == "t3":
             return W.multiscale_window_attention(q, k, v, [self.p.blocks[layer % len(self.p.blocks)]], grid,
-                                                 remote=True, use_triton=False)
-        return W.multiscale_window_attention(q, k, v, [self.p.local_block], grid, remote=False, use_triton=False)
+                                                 remote=True, use_triton=triton)
+        return W.multiscale_window_attention(q, k, v, [self.p.local_block], grid, remote=False, use_triton=triton)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, c: torch.Tensor, attn: str = "full") -> torch.Tensor:
         """x (B, F, 3, S, S), t (B,), c (B,) -> velocity (B, F, 3, S, S)."""
