@@ -79,9 +79,33 @@ def bench_token_sparse() -> list[dict]:
     return rows
 
 
+def bench_window_attention() -> list[dict]:
+    """T3 window attention (one block shape per call, close + remote) vs full SDPA at video token counts; achieved
+    TFLOP/s counts the attended pairs (4 * pairs * head_dim per head)."""
+    from kernels import window_attention as WA
+
+    grids = [(16, 64, 64), (16, 68, 120)] if GPU else [(4, 32, 32)]
+    blocks = [(1, -1, -1), (-1, -1, 2), (-1, 2, -1), (-1, 4, 4)]
+    rows = []
+    for grid in grids:
+        n, heads, dh = grid[0] * grid[1] * grid[2], 16 if GPU else 4, 64 if GPU else 16
+        q, k, v = (torch.randn(1, heads, n, dh, device=DEV, dtype=torch.bfloat16 if GPU else torch.float32)
+                   for _ in range(3))
+        full = timed(lambda: WA.full_attention_ref(q, k, v), 3)  # noqa: B023
+        for blk in blocks:
+            t = timed(lambda: WA.multiscale_window_attention(q, k, v, [blk], grid, use_triton=GPU), 3)  # noqa: B023
+            pairs = WA.attended_pairs_analytic(grid, [blk])
+            rows.append({"grid": list(grid), "block": list(blk), "tokens": n, "full_ms": 1e3 * full,
+                         "t3_ms": 1e3 * t, "speedup": full / t, "pair_ratio": n * n / pairs,
+                         "t3_tflops": 4 * pairs * dh * heads / t / 1e12,
+                         "full_tflops": 4 * n * n * dh * heads / full / 1e12})
+            print(rows[-1], flush=True)
+    return rows
+
+
 if __name__ == "__main__":
     out = {"device": torch.cuda.get_device_name() if GPU else platform.processor() or "cpu",
-           "tbik": bench_tbik(), "token_sparse": bench_token_sparse()}
+           "tbik": bench_tbik(), "token_sparse": bench_token_sparse(), "window_attention": bench_window_attention()}
     path = Path(__file__).parent / "results" / f"{platform.node()}.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
