@@ -611,9 +611,10 @@ def train(ctx) -> None:
         logits = engine(batch["ids"], batch["lens"])  # (B, A, V)
         with torch.no_grad():
             b, a, t = batch["ids"].shape
-            ref_logits = answer_logits(ref, batch["ids"].view(b * a, t), batch["lens"].view(-1)).view(b, a, -1)
+            ref_logits = answer_logits(ref, batch["ids"].reshape(b * a, t), batch["lens"].reshape(-1)).reshape(b, a, -1)
             g = torch.Generator().manual_seed(p.seed * 1_000_003 + step * 1009 + ctx.rank)
-            samples = torch.multinomial(logits.softmax(-1).view(b * a, -1), p.group, True, generator=g).view(b, a, -1)
+            probs = logits.softmax(-1).reshape(b * a, -1)  # (B*A, V)
+            samples = torch.multinomial(probs, p.group, True, generator=g).reshape(b, a, -1)  # (B, A, G)
         chars = [""] + list(d["alphabet"])
         rewards = torch.tensor([[[_reward(d, int(batch["rows"][i, j]), chars[int(s)]) for s in samples[i, j]]
                                  for j in range(a)] for i in range(b)])  # (B, A, G)
