@@ -1,0 +1,145 @@
+"""Async RAG's mechanism on tiny inputs: the KB and questions, the training sequences, the traces' labels, the
+latency model's clock (known values), and the real-data loaders on fixtures."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from models import async_rag as ar
+
+
+def _params(**kw) -> ar.Params:
+    base = dict(n_entities=20, n_questions=40, n_test=4, encoder="hashed", layers=1, d_model=32, lm_steps=1,
+                head_steps=1, max_answer_tokens=8, retrieval_jitter=0.0)
+    return ar.Params(**(base | kw))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    p = _params()
+    out = tmp_path_factory.mktemp("async_rag")
+    ar.prepare(p, out)
+    return p, ar._load(out)
+
+
+def test_kb_answers_are_the_gold_facts_in_order(data):
+    _, d = data
+    kb = d["kb"]
+    assert len(set(kb["passage"])) == len(kb["passage"])
+    for it in d["items"]:
+        gold = it["gold"]
+        assert it["answer"] == " ".join(kb["passage"][f] for f in gold)  # the answer is the facts, in order
+        if kb["relation"][gold[1]] in ("in_country", "released"):  # a chain: hop 2's subject is hop 1's object
+            assert kb["subject"][gold[1]] == kb["object"][gold[0]]
+        words = it["answer"].split()
+        for at, f in it["needs"]:
+            assert words[at] == kb["object"][f]  # the need sits exactly at the fact's object token
+    assert {it["split"] for it in d["items"]} == {"train", "test"}
+    assert len({it["question"] for it in d["items"]}) == len(d["items"])
+
+
+def test_build_sequence_puts_each_passage_before_its_fact(data):
+    p, d = data
+    it = next(x for x in d["items"] if x["split"] == "train")
+    vocab = d["vocab"]
+    for seed in range(20):
+        full = p.model_copy(update={"docless_frac": 0.0, "doc_rate": 1.0, "distractor_rate": 0.0})
+        seq, mask = ar.build_sequence(it, d["docs"], full, np.random.default_rng(seed))
+        assert seq.count(-1) == 1  # the "<a>" slot
+        assert [t for t, m in zip(seq, mask, strict=True) if m] == it["a"]  # the loss covers the answer, only it
+        answer_positions = [i for i, m in enumerate(mask) if m]
+        for at, f in it["needs"]:
+            doc = d["docs"][f]
+            start = next(i for i in range(len(seq)) if seq[i : i + len(doc)] == doc)
+            assert start < answer_positions[at]  # inserted before the object it supports
+        none = p.model_copy(update={"docless_frac": 1.0})
+        seq, mask = ar.build_sequence(it, d["docs"], none, np.random.default_rng(seed))
+        assert vocab.stoi["<doc>"] not in seq and len(seq) == len(it["q"]) + 1 + len(it["a"])
+
+
+def test_features_and_trace_labels(data):
+    p, d = data
+    h, ent = torch.randn(5, 32), torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5])
+    px, qx = ar.features(h, ent, 2)
+    assert px.shape == (40,) and torch.equal(px[-8:], torch.tensor([0, 0, 0, 0, 0, 0.1, 0.2, 0.3]))
+    assert torch.allclose(qx, h[:3].mean(0))
+    lm = ar._lm(p, len(d["vocab"])).eval()
+    test = [x for x in d["items"] if x["split"] == "test"]
+    tr = ar.traces(lm, test, d["vocab"].stoi["<a>"], p)
+    for k, it in enumerate(test):  # labels recomputed from the full entropy trajectory of the same context
+        _, full = ar.lm_state(lm, it["q"] + [d["vocab"].stoi["<a>"]] + it["a"])
+        rows = (tr["item"] == k).nonzero()[:, 0]
+        for r in rows.tolist():
+            t = int(tr["pos"][r])
+            assert tr["entropy"][r] == pytest.approx(float(full[t]), abs=1e-5)
+            assert tr["label"][r] == float((full[t + 1 : t + 1 + p.delta] > p.theta).any())
+        first_need = int(tr["need"][rows[0]])
+        assert first_need == it["needs"][0][1] and int(tr["need"][rows[-1]]) in (-1, it["needs"][-1][1])
+
+
+def test_lead_times_known_values():
+    p = _params(delta=3, theta=1.0)
+    ent = np.array([0.0, 0.0, 0.0, 2.0, 0.0, 0.0])  # one spike at position 3
+    item, pos = np.zeros(6, int), np.arange(6)
+    assert ar.lead_times(np.array([0, 0.9, 0, 0, 0, 0]), ent, item, pos, 0.5, p) == 2.0
+    assert ar.lead_times(np.array([0.9, 0, 0, 0, 0, 0]), ent, item, pos, 0.5, p) == 3.0  # exactly Delta ahead
+    assert ar.lead_times(np.array([0.9, 0, 0, 0, 0, 0]), ent, item, pos, 0.5, _params(delta=2)) == 0.0  # beyond
+    assert ar.lead_times(ent, ent, item, pos, 1.0, p) == 0.0  # the current entropy fires only at the spike
+
+
+def test_latency_model_clock_known_values(data):
+    p, d = data
+    torch.manual_seed(0)
+    lm, heads = ar._lm(p, len(d["vocab"])).eval(), ar.Heads(p.d_model).eval()
+    with torch.no_grad():
+        lm.body.tok.weight.zero_()  # uniform next-token distribution: every point is high-entropy, never "</a>"
+    server = ar.Server(p, d, lm, heads, retrieval_ms=25.0)
+    it = next(x for x in d["items"] if x["split"] == "test")
+    with torch.no_grad():
+        r = {arm: server.serve(arm, it, 0) for arm in ar.ARMS}
+        again = server.serve("method", it, 0)
+    assert again == r["method"]  # deterministic
+    prefill = p.prefill_ms * (len(it["q"]) + 1)
+    base = r["no_retrieval"]
+    steps = len(base["answer"].split()) + (len(base["answer"].split()) < p.max_answer_tokens)
+    assert base["ttft_ms"] == pytest.approx(prefill + p.decode_ms)
+    assert base["latency_ms"] == pytest.approx(prefill + p.decode_ms * steps) and base["retrievals"] == 0
+    docs = sum(len(d["docs"][f]) for f in server.search_top(server.text_vec(it["question"]), p.top_k))
+    assert r["sync_single"]["ttft_ms"] == pytest.approx(p.embed_ms + 25.0 + p.prefill_ms * docs + prefill + p.decode_ms)
+    # heuristic async: one background retrieval at embed_ms; the first (uncertain) token stalls until it arrives
+    assert r["heuristic_async"]["stall_ms"] == pytest.approx(25.0 - prefill)
+    # active RAG: the question retrieval, then one blocking retrieval at every (uncertain) token
+    assert r["sync_active"]["retrievals"] == 1 + len(r["sync_active"]["answer"].split()) + (
+        len(r["sync_active"]["answer"].split()) < p.max_answer_tokens)
+    assert r["sync_active"]["stall_ms"] == pytest.approx(25.0 * r["sync_active"]["retrievals"])
+
+
+def test_loaders_on_fixtures(tmp_path):
+    hotpot = [{"_id": "a", "question": "Who wrote X?", "answer": "Ann Lee",
+               "supporting_facts": [["X", 0], ["Ann Lee", 0]],
+               "context": [["X", ["X is a book.", "It was written by Ann Lee."]], ["Ann Lee", ["Ann Lee is a writer."]],
+                           ["Y", ["Y is unrelated."]]]}]
+    (tmp_path / "hotpot.json").write_text(json.dumps(hotpot))
+    musique = {"id": "m", "question": "Where is Z?", "answer": "Paris",
+               "paragraphs": [{"idx": 0, "title": "Z", "paragraph_text": "Z is in Paris.", "is_supporting": True},
+                              {"idx": 1, "title": "W", "paragraph_text": "W is elsewhere.", "is_supporting": False}]}
+    (tmp_path / "musique.jsonl").write_text(json.dumps(musique) + "\n")
+    (tmp_path / "passages.jsonl").write_text(json.dumps({"id": "p0", "text": "An extra passage."}) + "\n")
+    kb, qa = ar.load_qa(_params(dataset="hotpotqa", dataset_path=str(tmp_path / "hotpot.json"), n_test=1,
+                                passages_path=str(tmp_path / "passages.jsonl")))
+    assert kb["passage"] == ["x is a book . it was written by ann lee .", "ann lee is a writer .",
+                             "y is unrelated .", "an extra passage ."]
+    assert qa["gold_fact_ids"] == ["0 1"] and qa["answer"] == ["ann lee ."] and qa["split"] == ["test"]
+    kb, qa = ar.load_qa(_params(dataset="musique", dataset_path=str(tmp_path / "musique.jsonl"), n_test=1))
+    assert kb["passage"] == ["z is in paris .", "w is elsewhere ."] and qa["gold_fact_ids"] == ["0"]
+    for name, table in (("kb", kb), ("qa", qa)):  # the rest of the pipeline reads them like the synthetic tables
+        ar.write_table(tmp_path / f"{name}.parquet", table)
+    emb = ar._hashed(kb["passage"])
+    ar.write_table(tmp_path / "passage_emb.parquet", {"fact_id": kb["fact_id"],
+                                                       **{f"e_{i}": emb[:, i] for i in range(384)}})
+    d = ar._load(tmp_path)
+    assert d["items"][0]["objects"] == ["paris"] and d["groups"] == []

@@ -1,0 +1,129 @@
+"""SSLogic's mechanism on tiny inputs: the DSL against its independent spec interpreter, Generator/Validator, each
+gate catching the failure it exists for and the Refine that fixes it, the evolution loop, and GRPO's loss."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from models import sslogic as ss
+
+
+def _p(**kw) -> ss.Params:
+    return ss.Params(**({"review_depth": 1, "review_instances": 5, "gate2_instances": 10} | kw))
+
+
+def test_run_and_spec_interpreter_agree_on_random_programs():
+    rng = np.random.default_rng(0)
+    for i in range(300):
+        prog = ss._rule(rng, list(ss.REDUCERS), list(ss.LIST_OPS), int(rng.integers(0, 4)))
+        if i % 3 == 0:
+            prog = ("if", str(rng.choice(list(ss.PREDICATES))), prog, ss._rule(rng, list(ss.REDUCERS),
+                                                                                  list(ss.LIST_OPS), 1))
+        x = [int(v) for v in rng.integers(0, 10, int(rng.integers(1, 7)))]
+        try:
+            expected = ss.run(prog, x)
+        except (ValueError, IndexError):
+            with pytest.raises((ValueError, IndexError)):
+                ss.interpret_spec(ss.show(prog), x)
+            continue
+        assert ss.interpret_spec(ss.show(prog), x) == expected, (ss.show(prog), x)
+    assert ss.run(("r", "sum10", ("inc", "sort")), [9, 1, 2]) == (0 + 2 + 3) % 10
+    assert ss.show(("r", "max", ("even", "rev"))) == "max(rev(even(x)))"
+
+
+def test_generator_is_deterministic_and_validator_checks_the_query():
+    fam = ss.family(("r", "max", ("even",)), "f", constrain=True)
+    a, b = ss.generate(fam, 7, 1), ss.generate(fam, 7, 1)
+    assert a == b and len(a["prompt"]) <= 80
+    lists, answers, query = ss.parse(a["prompt"])
+    assert len(lists) == 3 and [max(v for v in x if v % 2 == 0) for x in lists] == answers
+    assert a["answer"] == str(max(v for v in query if v % 2 == 0))
+    assert [d for d in range(10) if ss.validate(fam, a["prompt"], str(d))] == [int(a["answer"])]
+    knob = ss.family(("r", "len", ()), "k", knob="len", lo=3, hi=3)
+    assert {len(ss.parse(ss.generate(knob, s, 2)["prompt"])[2]) for s in range(30)} == {3, 4, 5}  # difficulty knob
+
+
+def test_gates_catch_their_failures_and_refine_fixes_them():
+    p = _p()
+    raises = ss.family(("r", "max", ("big",)), "e", lo=3, hi=3)  # no value > 4 in some lists: max of []
+    assert ss.gate1(raises) == "exception"
+    assert ss.gate1(ss.refine(raises, "exception")) == ""
+    raw_sum = ss.family(("r", "sum", ()), "s", constrain=True)  # two-digit answers: brute force finds none
+    assert ss.gate1(raw_sum) == "" and ss.gate2(raw_sum, 10, 0.95) == "format"
+    assert ss.gate2(ss.refine(raw_sum, "format"), 10, 0.95) == ""
+    trivial = ss.family(("r", "par", ("even",)), "t")  # a sum of even numbers is always even
+    assert ss.gate3(trivial, ss.review_programs(1, 2000), p) == "trivial"
+    lenient = _p(max_ambiguous=1.0)  # ambiguity has its own test below
+    assert ss.gate3(ss.family(("r", "max", ()), "m"), ss.review_programs(1, 2000), lenient) == ""
+
+
+def test_gate3_ambiguity_matches_a_direct_count():
+    """Ill-posedness counted directly: instances where some depth-1 program fits the 3 examples but not the query."""
+    programs = ss.review_programs(1, 2000)
+    for prog in (("r", "len", ("uniq",)), ("r", "first", ("sort",)), ("r", "ceven", ())):
+        fam = ss.family(prog, "a", vmax=3)
+        p = _p(max_ambiguous=0.0, min_entropy=0.0)
+        direct = 0
+        for s in range(p.review_instances):
+            lists, answers, query = ss.parse(ss.generate(fam, 2000 + s, s % 3)["prompt"])
+            truth = ss.answer_of(fam, query)
+            for q in programs:
+                try:
+                    if [ss.run(q, x) % 10 for x in lists] == answers and ss.run(q, query) % 10 != truth:
+                        direct += 1
+                        break
+                except (ValueError, IndexError):
+                    pass
+        assert (ss.gate3(fam, programs, p) == "ambiguous") == (direct > 0)
+
+
+def test_review_programs_enumerate_shortest_first_within_budget():
+    progs = ss.review_programs(2, 10**6)
+    n_r, n_o = len(ss.REDUCERS), len(ss.LIST_OPS)
+    assert len(progs) == n_r * (1 + n_o + n_o**2) and len(set(progs)) == len(progs)
+    assert all(len(pr[2]) == 0 for pr in progs[:n_r]) and ss.review_programs(2, 50) == progs[:50]
+
+
+def test_evolution_loop_records_gates_and_the_bandit_learns_from_acceptance():
+    p = _p(candidates=6, max_refine=2)
+    rng = np.random.default_rng(0)
+    seeds = ss.seed_families(6, rng)
+    assert all(ss.gate1(f) == "" and ss.gate2(f, 10, 0.95) == "" for f in seeds)
+    candidates, no_gate = ss.evolve(p, seeds, rng)
+    assert len(candidates) == 6 and len(no_gate) >= sum(c["accepted"] for c in candidates)
+    for c in candidates:
+        assert c["accepted"] == (c["gate1"] and c["gate2"] and c["gate3"])
+        assert 0 <= c["refine"] <= p.max_refine and c["operator"] in ss.OPERATORS
+        if c["accepted"]:  # an accepted family passes every gate when re-checked
+            assert ss.gate1(c) == "" and ss.gate2(c, p.gate2_instances, p.gate2_agree) == ""
+    rows = ss._family_rows(candidates, "candidate")
+    assert all(json.loads(cfg)["fmt"] in ("raw", "mod10") for cfg in rows["config"])
+
+
+def test_grpo_loss_gradient_prefers_rewarded_answers():
+    logits = torch.zeros(1, 2, 4, requires_grad=True)  # (B, A, V): uniform policies for two arms
+    samples = torch.tensor([[[0, 1, 2, 3], [0, 0, 1, 1]]])  # (B, A, G)
+    rewards = torch.tensor([[[1.0, 0, 0, 0], [1.0, 1, 0, 0]]])
+    loss, kl = ss.grpo_loss(logits, logits.detach(), samples, rewards, kl=0.02)
+    assert torch.allclose(kl, torch.zeros(2), atol=1e-6)  # identical to the reference: KL 0
+    loss.sum().backward()
+    grad = logits.grad[0]
+    assert grad[0, 0] < 0 and (grad[0, 1:] > 0).all()  # descent raises the rewarded token's logit
+    assert grad[1, 0] < 0 and grad[1, 1] > 0 and grad[1, 2] == pytest.approx(0, abs=1e-7)
+    same = torch.ones(1, 1, 4)  # equal rewards: zero advantage, no policy gradient
+    zero, _ = ss.grpo_loss(torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), samples[:, :1], same, kl=0.0)
+    assert zero.abs().item() < 1e-6
+
+
+def test_jsonl_loaders_on_fixtures(tmp_path):
+    rows = [{"prompt": "12>3;45>9;7>", "answer": "7", "category": "logic", "difficulty": 1},
+            {"prompt": "x>", "answer": "10", "category": "operation"}]
+    (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "ext.jsonl").write_text(json.dumps({"family_id": "enig1", "prompt": "3>3;", "answer": "3"}) + "\n")
+    ev, ext = ss.load_jsonl_suites(tmp_path / "eval.jsonl", tmp_path / "ext.jsonl")
+    assert ev["prompt"] == ["12>3;45>9;7>"] and ev["difficulty"] == [1]  # the two-char answer is skipped
+    assert ext["family_id"] == ["enig1"] and ext["pool"] == ["external_only"]
