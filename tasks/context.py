@@ -177,7 +177,8 @@ class TrainContext:
                 self._checkpoint(ckpt_dir, engine, step + 1, state, window)
 
     def _shard(self, batch: Batch) -> dict[str, torch.Tensor]:
-        return {k: v[self.rank :: self.world_size].to(self.device) for k, v in batch.items()}
+        # contiguous: a strided slice would make every .view() in a step function fail with 2+ ranks
+        return {k: v[self.rank :: self.world_size].contiguous().to(self.device) for k, v in batch.items()}
 
     def _checkpoint(self, ckpt_dir: Path, engine: Any, step: int, state: dict[str, torch.Tensor] | None,
                     window: list[float]) -> None:
