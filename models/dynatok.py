@@ -121,7 +121,8 @@ def synth_sequence(rng: np.random.Generator, p: Params, scene: bool) -> tuple[np
     for k in range(parts):
         x, u = seq.articulated_points(rng, p.frames, int(rng.integers(p.limbs[0], p.limbs[1] + 1)),
                                       p.n_dense // parts, p.amplitude)
-        yaw = seq._axis_rotation("y", np.asarray(rng.uniform(0, 2 * np.pi)))  # (3, 3) random heading
+        a = rng.uniform(0, 2 * np.pi)
+        yaw = np.array([[np.cos(a), 0, np.sin(a)], [0, 1, 0], [-np.sin(a), 0, np.cos(a)]])  # random heading about y
         offset = np.array([1.3 * (k - (parts - 1) / 2), 0.0, rng.uniform(-0.3, 0.3)])
         pts.append(x @ yaw.T + offset)
         canon.append(u + np.array([4.0 * k, 0.0, 0.0]))  # each object's own region of canonical space
