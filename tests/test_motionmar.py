@@ -1,0 +1,139 @@
+"""MotionMAR's mechanism on tiny inputs: the residual quantiser, block-causal next-scale prediction, the data, the
+AMASS FK loader, the metrics."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from models import motionmar as mm
+from models.common import sequences as seq
+
+
+def tiny(**kw) -> mm.Params:
+    base = dict(window=16, width=16, layers=1, heads=2, codebook=8, code_dim=4, scales=[1, 2, 4])
+    return mm.Params(**(base | kw))
+
+
+def test_quantiser_recovers_a_constant_code_at_the_coarsest_scale():
+    q = mm.Quantizer(4, 3, [1, 2, 4], decay=0.99, beta=0.25).eval()
+    q.codebook.copy_(torch.tensor([[0.0, 0, 0], [1.0, 2, 3], [-1.0, 0, 1], [5.0, 5, 5]]))
+    z = torch.tensor([1.0, 2, 3]).expand(2, 4, 3)  # (B, L, D): the same vector at every latent step
+    zq, idx, commit = q(z)
+    assert [i.shape[1] for i in idx] == [1, 2, 4]
+    assert idx[0].eq(1).all() and all(i.eq(0).all() for i in idx[1:])  # coarse scale takes it all, residual 0
+    assert torch.allclose(zq, z) and float(commit) == 0.0
+    assert torch.allclose(q.f_hat(idx, 4), z) and torch.allclose(q.f_hat(idx, 4, upto=1), z)
+
+
+def test_quantised_value_is_the_sum_of_upsampled_codes():
+    torch.manual_seed(0)
+    q = mm.Quantizer(16, 4, [1, 2, 4, 8], decay=0.99, beta=0.25).eval()
+    z = torch.randn(3, 8, 4)
+    zq, idx, _ = q(z)
+    ref = sum(torch.nn.functional.interpolate(q.codebook[i].transpose(1, 2), size=8, mode="linear",
+                                              align_corners=False).transpose(1, 2) for i in idx)
+    assert torch.allclose(zq, ref, atol=1e-6)
+
+
+def test_ema_moves_a_used_code_towards_its_assignments_and_restarts_dead_codes():
+    torch.manual_seed(0)
+    q = mm.Quantizer(4, 2, [1], decay=0.5, beta=0.25).train()
+    z = torch.randn(6, 1, 2)
+    q(z)  # first step: every code restarts at a batch residual (data-dependent init)
+    assert all(any(torch.allclose(c, r, atol=1e-2) for r in z[:, 0]) for c in q.codebook)
+    target = torch.tensor([3.0, -3.0])
+    before = (q.codebook - target).norm(dim=-1).min()
+    for _ in range(5):
+        q(target.expand(8, 1, 2))
+    assert (q.codebook - target).norm(dim=-1).min() < before * 0.1
+
+
+def test_man_is_block_causal_across_scales_and_generation_is_self_consistent():
+    torch.manual_seed(0)
+    p = tiny()
+    vq, man = mm.VQVAE(9, p, p.scales).eval(), mm.MAN(p, 6, p.scales, flat=False).eval()
+    c = torch.randn(2, 16, 6)
+    idx = [torch.randint(8, (2, s)) for s in p.scales]
+    inp = man.inputs(vq.quant, idx, 4)
+    changed = [i.clone() for i in idx]
+    changed[-1] = (changed[-1] + 1) % 8  # the finest scale's codes are never an input
+    assert torch.equal(man.inputs(vq.quant, changed, 4), inp)
+    bumped = inp.clone()
+    bumped[:, 3:] += 1.0  # inputs of the finest scale (tokens 3..6) must not change coarser logits
+    a, b = man(inp, c), man(bumped, c)
+    assert torch.allclose(a[:, :3], b[:, :3], atol=1e-6) and not torch.allclose(a[:, 3:], b[:, 3:])
+    gen = man.generate(vq.quant, c, 4)
+    assert torch.equal(man(man.inputs(vq.quant, gen, 4), c).argmax(-1), torch.cat(gen, 1))
+
+
+def test_flat_ar_is_causal_token_by_token():
+    torch.manual_seed(0)
+    p = tiny()
+    vq, ar = mm.VQVAE(9, p, [4]).eval(), mm.MAN(p, 6, [4], flat=True).eval()
+    idx = [torch.randint(8, (1, 4))]
+    inp = ar.inputs(vq.quant, idx, 4)
+    assert torch.equal(inp[:, 0], torch.zeros(1, 4)) and torch.equal(inp[:, 1:], vq.quant.codebook[idx[0][:, :-1]])
+    c, bumped = torch.randn(1, 16, 6), inp.clone()
+    bumped[:, 2] += 1.0
+    a, b = ar(inp, c), ar(bumped, c)
+    assert torch.allclose(a[:, :2], b[:, :2], atol=1e-6) and not torch.allclose(a[:, 2:], b[:, 2:])
+
+
+def test_synthetic_motion_keeps_bones_and_feet_on_the_floor():
+    p = mm.Params(window=32)
+    rng = np.random.default_rng(0)
+    for cls in mm.CLASSES:
+        joints = mm.synth_motion(rng, cls, p)
+        lengths = seq.bone_lengths(joints)
+        assert np.allclose(lengths, lengths[0], atol=1e-9), cls
+        assert np.allclose(joints[:, [12, 15], 1].min(1), 0.05), cls
+    walk, idle = mm.synth_motion(rng, "walk", p), mm.synth_motion(rng, "idle", p)
+    assert np.linalg.norm(walk[-1, 0] - walk[0, 0]) > 5 * np.linalg.norm(idle[-1, 0] - idle[0, 0])
+
+
+def test_features_round_trip_and_metrics_known_values():
+    joints = torch.randn(2, 8, 16, 3)
+    x = mm.features(joints)
+    assert x.shape == (2, 8, 48) and torch.allclose(x[..., :3], joints[..., 0, :])
+    assert torch.allclose(mm.joints_from_features(x), joints, atol=1e-6)
+    shifted = joints + torch.tensor([0.01, 0.0, 0.0])
+    m = mm.motion_metrics(shifted, joints, [10, 11], fps=30)
+    assert np.isclose(m["mpjpe"], 1.0) and np.isclose(m["root_error"], 1.0) and np.isclose(m["mpjve"], 0, atol=1e-4)
+    assert np.isclose(m["jitter"], mm.motion_metrics(joints, joints, [0], 30)["jitter"], rtol=1e-4)
+
+
+def test_mrn_starts_as_identity_and_direct_regression_matches_parameters():
+    p = tiny()
+    mrn = mm.MRN(9, 6, 16)
+    x, c = torch.randn(2, 16, 9), torch.randn(2, 16, 6)
+    assert torch.equal(mrn(x, c), x)
+    nets = mm.build(p, 9, 6)
+    target = sum(mm.n_params(nets[k]) for k in ("tmt", "man", "mrn"))
+    assert abs(mm.n_params(nets["direct"]) - target) / target < 0.1
+
+
+def test_amass_loader_on_tiny_fixtures(tmp_path):
+    # toy tree: root -> spine (0, 0, 1) -> head (0, 0, 1) in AMASS's z-up frame, plus a hand off the spine
+    body = {"parents": np.array([-1, 0, 1, 1]),
+            "joints_template": np.array([[0, 0, 0], [0, 0, 1], [0, 0, 2], [1, 0, 1]], dtype=np.float64)}
+    np.savez(tmp_path / "body.npz", **body)
+    poses = np.zeros((4, 12))
+    trans = np.tile([[0.5, 0.0, 0.0]], (4, 1))
+    rest = mm.amass_joints(poses, trans, np.zeros(10), body)
+    assert np.allclose(rest[0], [[0.5, 0, 0], [0.5, 1, 0], [0.5, 2, 0], [1.5, 1, 0]])  # y up, z = -y_amass
+    poses[:, 5] = np.pi / 2  # spine turns 90 degrees about z (up): the hand swings from +x to +y (z-up)
+    turned = mm.amass_joints(poses, trans, np.zeros(10), body)
+    assert np.allclose(turned[0, 3], [0.5, 1, -1], atol=1e-9) and np.allclose(turned[0, 2], rest[0, 2])
+    for sub, n in (("CMU", 40), ("HDM05", 70)):
+        (tmp_path / "amass" / sub).mkdir(parents=True)
+        np.savez(tmp_path / "amass" / sub / "m.npz", poses=np.zeros((n, 12)), trans=np.zeros((n, 3)),
+                 betas=np.zeros(10), mocap_framerate=np.array(60.0))
+    p = mm.Params(dataset="amass", amass_dir=str(tmp_path / "amass"), body_model=str(tmp_path / "body.npz"),
+                  fps=30, window=8, tracker_joints=[2, 3, 3], lower_joints=[1])
+    windows, names, _ = mm.load_amass(p)
+    assert len(windows) == 20 // 8 + 35 // 8 and windows[0].shape == (8, 4, 3)
+    assert names.count("CMU") == 2 and names.count("HDM05") == 4
+    mm.prepare(p, tmp_path)
+    d = mm.load_data(tmp_path)
+    assert d["x"].shape == (6, 8, 12) and d["c"].shape == (6, 8, 18)
