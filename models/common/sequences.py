@@ -6,7 +6,7 @@ Four families, each a pure function of its parameters and a NumPy generator (so 
   or driven by given per-frame actions (latent-action world models);
 - a bouncing ball under gravity [bouncing_ball]: exact event-driven ballistic motion with a restitution floor, and
   [ballistic_residual], the physical-plausibility measure (distance of a trajectory to the known equations);
-- an articulated skeleton [SKELETON, forward_kinematics]: a 15-joint tree with fixed bone lengths, hinge angles;
+- an articulated skeleton [SKELETON, forward_kinematics]: a 16-joint tree with fixed bone lengths, hinge angles;
 - a deforming point cloud [articulated_points]: an ellipsoid torso with capsule limbs on hinges, sampled with
   canonical surface coordinates that follow each body point over time.
 Sizes are the caller's: the CPU profiles use tiny frames (16x16 to 32x32) and short clips.
@@ -151,7 +151,7 @@ SKELETON: tuple[tuple[str, int, tuple[float, float, float], str], ...] = (
     ("l_knee", 10, (0.0, -0.42, 0.0), "x"), ("l_ankle", 11, (0.0, -0.4, 0.0), "x"),
     ("r_hip", 0, (-0.1, -0.05, 0.0), "x"), ("r_knee", 13, (0.0, -0.42, 0.0), "x"),
 )
-# the 15th joint is the right ankle; listed apart to keep the table above readable
+# the 16th joint (index 15) is the right ankle; listed apart to keep the table above readable
 SKELETON = SKELETON + (("r_ankle", 14, (0.0, -0.4, 0.0), "x"),)
 
 
