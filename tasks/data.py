@@ -80,11 +80,24 @@ def stage_for(paper: Paper, profile: str, params: PaperParams, raw_params: dict,
     return stage
 
 
+def _follow_current_streams() -> None:
+    """DVC binds its log handlers to sys.stdout/sys.stderr as they are when `dvc` is first imported; a runner that
+    swaps those streams (pytest, typer's CliRunner, notebooks) later closes them and every DVC log line then fails
+    the stage. Point the handlers at the streams of now."""
+    import logging
+
+    for name in ("dvc", "dvc_objects", "dvc_data"):
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, logging.StreamHandler):
+                handler.setStream(sys.stderr if handler.level >= logging.WARNING else sys.stdout)
+
+
 def reproduce(stage: DataStage, force: bool = False) -> PreparedData:
     """Run the stage through DVC's Python API (a no-op when up to date) and read its data hash from dvc.lock."""
     from dvc.repo import Repo
 
     start = time.perf_counter()
+    _follow_current_streams()
     # DVC resolves stage paths against the current directory, so work from the repo root (under the lock,
     # which also serialises every DVC call of this process and others).
     with dvc_lock(), chdir(settings.root()), Repo(str(settings.root())) as repo:
@@ -116,6 +129,7 @@ def current_hash(stage: DataStage) -> str | None:
     with dvc_lock(wait=False) as got, chdir(settings.root()):
         if not got:
             return None
+        _follow_current_streams()
         with Repo(str(settings.root())) as repo:
             changed = repo.status(targets=[stage.target])
     return None if changed else locked_hash(stage)

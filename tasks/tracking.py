@@ -7,6 +7,7 @@ resolved params (profile + overrides), and the DVC data hash. It is the only "al
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import socket
@@ -30,7 +31,14 @@ TAG = "paperline."
 def client() -> MlflowClient:
     # explicit client only: mlflow.set_tracking_uri would also export MLFLOW_TRACKING_URI to every later
     # subprocess and workspace of this process
-    return MlflowClient(settings.tracking_uri())
+    uri = settings.tracking_uri()
+    if not uri.startswith("sqlite:///"):
+        return MlflowClient(uri)
+    # opening the embedded store creates or migrates its tables; two processes doing that at once corrupt the
+    # migration (alembic "expected to match one row"), so the first opening per process is serialised by a lock
+    with open(Path(uri.removeprefix("sqlite:///")).with_suffix(".db.lock"), "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        return MlflowClient(uri)
 
 
 def store_exists() -> bool:
