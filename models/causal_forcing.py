@@ -47,6 +47,15 @@ Deviations from the paper (choices the abstract and spec left open):
 - Full: Wan2.1-T2V-1.3B and VBench are not run here; `load_ode_pairs` reads Self Forcing / CausVid ODE pairs
   (prompts.txt + one .pt per prompt holding {prompt: latents (1, S, F, C, H, W)}) and is tested on a fixture; the
   full profile scales the synthetic setting.
+
+Smoke result (1 seed, 2 ranks): the check does not hold, on dynamic degree. Causal Forcing vs Self Forcing:
+dynamic degree 0.746 vs 0.961 (-22%; paper +19.3%), frame fidelity 0.839 vs 0.824 (+1.9%; paper +8.7%),
+instruction accuracy 0.449 vs 0.285 (+57.5%; paper +16.7%); secondary: held-out ODE residual of the bi-pair student
+0.122 vs 0.014 for the AR-pair student (9x, largest at t = 1: 0.251 vs 0.032), the injectivity gap the paper names.
+Why dynamic degree goes the other way here: at 200 teacher steps T_bi itself is jittery (dynamic degree 0.973 vs
+0.735 on real clips, where a quarter are static) and barely follows prompts (accuracy 0.266 vs T_ar's 0.531), so
+"more motion" rewards jitter; Causal Forcing's 0.746 is the one close to the data's 0.735. The scorers are
+stand-ins (spec), and with one seed and 256 clips per arm the fidelity gap is small.
 """
 
 from __future__ import annotations
