@@ -41,7 +41,7 @@ def test_causal_mask_blocks_the_future_and_other_noisy_frames():
 def test_euler_levels_read_the_piecewise_linear_path_exactly():
     x1, v = torch.randn(3, 5), torch.randn(3, 5)
     states, end = cf.euler_levels(lambda x, t: v * (1 + t), x1, 2, cf.LEVELS)
-    # step 1: t 1 -> 0.5 with velocity 2v; step 2: t 0.5 -> 0 with velocity 1.5 (2v) ... evaluated at the path
+    # velocity v (1 + t): step 1 (t 1 -> 0.5) moves by 0.5 * 2v, step 2 (t 0.5 -> 0) by 0.5 * 1.5v
     mid = x1 - 0.5 * 2 * v
     assert torch.allclose(states[0], x1) and torch.allclose(states[2], mid)
     assert torch.allclose(states[1], x1 - 0.25 * 2 * v)
