@@ -422,7 +422,8 @@ def evaluate(ctx) -> dict[str, float]:
     noise = torch.randn(gt.shape, generator=torch.Generator().manual_seed(p.seed + 17))
     unet = model.unet
 
-    def run(name: str, steps: int, hook_of=None, record=None) -> tuple[torch.Tensor, int]:
+    def run(steps: int, hook_of=None, record=None) -> tuple[torch.Tensor, int]:
+        """Sample every evaluation video; FLOPs counted over the whole run (the prior and the guidance included)."""
         with FlopCounterMode(display=False) as counter:
             hook = hook_of() if hook_of else None
             video = sample(unet, cond, noise, steps, hook, record)
@@ -430,11 +431,11 @@ def evaluate(ctx) -> dict[str, float]:
 
     trajectory: list[torch.Tensor] = []
     videos, flops = {}, {}
-    videos["ddim2"], flops["ddim2"] = run("ddim2", p.prior_steps)
-    videos["ddim50"], flops["ddim50"] = run("ddim50", p.full_steps, record=trajectory)
-    videos["phaselock"], flops["phaselock"] = run("phaselock", p.full_steps, lambda: phaselock_hook(
+    videos["ddim2"], flops["ddim2"] = run(p.prior_steps)
+    videos["ddim50"], flops["ddim50"] = run(p.full_steps, record=trajectory)
+    videos["phaselock"], flops["phaselock"] = run(p.full_steps, lambda: phaselock_hook(
         sample(unet, cond, noise, p.prior_steps), p.full_steps, p.lock_fraction, p.lock_sigma))
-    videos["external"], flops["external"] = run("external", p.full_steps, lambda: ballistic_hook(p.ext_scale))
+    videos["external"], flops["external"] = run(p.full_steps, lambda: ballistic_hook(p.ext_scale))
 
     real_frames = d["x"][d["test"]].flatten(0, 1)
     real_feat = model.ae.enc(real_frames).numpy()
