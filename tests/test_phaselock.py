@@ -1,0 +1,134 @@
+"""PhaseLock's mechanism on tiny inputs: the spectral similarities, Latent Delta Guidance, its schedule and filter,
+DDIM with a hook, the ballistic residual, the scorers and the data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from models import phaselock as pl
+from models.common import sequences as seq
+from models.common.diffusion import ddim_sample
+
+
+def _video(b: int = 2, t: int = 5, s: int = 8, seed: int = 0) -> torch.Tensor:
+    return torch.rand(b, t, 1, s, s, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+
+
+def test_spectral_similarity_known_values():
+    g = _video()
+    ps, ms = pl.spectral_similarity(g, g)
+    assert torch.allclose(ps, torch.ones(2)) and torch.allclose(ms, torch.ones(2))
+    # a circular shift in time keeps every |X| (magnitude intact) but turns phases: the erosion PS measures
+    ps, ms = pl.spectral_similarity(torch.roll(g, 2, dims=1), g)
+    assert torch.allclose(ms, torch.ones(2), atol=1e-6) and (ps < 0.99).all()
+    # doubling the intensities keeps every phase and doubles every magnitude: PS 1, MS 0
+    ps, ms = pl.spectral_similarity(2 * (g + 1) - 1, g)
+    assert torch.allclose(ps, torch.ones(2), atol=1e-6) and torch.allclose(ms, torch.zeros(2), atol=1e-6)
+
+
+def test_lambda_schedule_decays_linearly_over_the_first_60_percent():
+    values = [pl.lambda_schedule(k, 50, 0.6) for k in range(50)]
+    assert values[0] == 1.0 and values[15] == pytest.approx(0.5) and values[29] > 0 and values[30] == 0.0
+    assert all(v == 0.0 for v in values[30:]) and all(a >= b for a, b in zip(values, values[1:], strict=False))
+
+
+def test_gaussian_blur_keeps_constants_and_removes_the_checkerboard():
+    const = torch.full((1, 2, 1, 8, 8), 0.7)
+    assert torch.allclose(pl.gaussian_blur(const, 1.5), const, atol=1e-6)
+    checker = (torch.arange(8)[:, None] + torch.arange(8)[None]) % 2 * 2.0 - 1
+    blurred = pl.gaussian_blur(checker.view(1, 1, 1, 8, 8), 1.5)
+    assert blurred.abs().max() < 0.05 * checker.abs().max()
+
+
+def test_latent_delta_guidance_imposes_the_prior_deltas_and_anchors_frame_0():
+    prior, x0 = _video(seed=1), _video(seed=2)
+    hook = pl.phaselock_hook(prior, num_steps=10, fraction=0.6, sigma=1e-3)  # sigma -> 0: the filter is identity
+    guided = hook(0, x0)  # lambda_0 = 1
+    assert torch.equal(guided[:, 0], x0[:, 0])
+    assert torch.allclose(guided[:, 1:] - guided[:, :-1], prior[:, 1:] - prior[:, :-1], atol=1e-5)
+    half = hook(3, x0)  # lambda_3 = 0.5: halfway between the deltas
+    mid = 0.5 * ((prior[:, 1:] - prior[:, :-1]) + (x0[:, 1:] - x0[:, :-1]))
+    assert torch.allclose(half[:, 1:] - half[:, :-1], mid, atol=1e-5)
+    assert torch.equal(hook(6, x0), x0)  # after 60% of the steps the run is free
+
+
+def test_ddim_with_an_oracle_reaches_the_target_and_matches_the_shared_sampler():
+    target = _video(b=1, seed=3) * 0.9
+    cond = target[:, 0]
+    ab = pl.ddim_scheduler(2).alphas_cumprod.float()
+
+    class Oracle(torch.nn.Module):  # predicts the epsilon that makes x0_hat = target exactly
+        def forward(self, x, t, cond):
+            a = ab[t].view(-1, 1, 1, 1, 1)
+            return (x - a.sqrt() * target) / (1 - a).sqrt()
+
+    noise = torch.randn(target.shape, generator=torch.Generator().manual_seed(4))
+    record: list[torch.Tensor] = []
+    out = pl.sample(Oracle(), cond, noise, 5, record=record)
+    assert torch.allclose(out, target, atol=1e-4) and len(record) == 5
+    flat = lambda x, t: Oracle()(x.view(target.shape), t, cond).view(x.shape)  # noqa: E731
+    ref = ddim_sample(flat, noise.view(1, 5, 8, 8), pl.TRAIN_STEPS, 5, schedule="cosine")
+    assert torch.allclose(out.view(1, 5, 8, 8), ref, atol=1e-4)
+
+
+def test_ballistic_residual_zero_on_a_parabola_and_the_guidance_reduces_it():
+    t = torch.arange(6.0)
+    parabola = torch.stack([2 + 0.5 * t, 1 + 0.2 * t + 0.15 * t**2], -1)[None]  # (1, T, 2)
+    assert float(pl.ballistic_residual(parabola)[0]) == pytest.approx(0.0, abs=1e-8)
+    traj, bounced = seq.bouncing_ball(2.0, 0.5, 3.0, 0.3, 0.8, 0.7, 10.0, 6)
+    assert bounced.any() and float(pl.ballistic_residual(torch.from_numpy(traj)[None].float())[0]) > 0.1
+    # a ball video along a bouncing path: one guidance step lowers the residual of its centroids
+    video = torch.from_numpy(np.stack([pl.render_ball(16, x, y, 2.0, 0.0, 0.0) for x, y in traj])).float()
+    video = (video * 2 - 1).view(1, 6, 1, 16, 16)
+    before = pl.ballistic_residual(pl.soft_centroids(video)[:, 1:])
+    after = pl.ballistic_residual(pl.soft_centroids(pl.ballistic_hook(0.05)(0, video))[:, 1:])
+    assert float(after[0]) < float(before[0])
+
+
+def test_prepare_follows_the_exact_physics_and_frame_0_carries_the_trail(tmp_path):
+    p = pl.Params(n_videos=8, n_frames=6, size=16, texture=0.0, pixel_noise=0.0)
+    pl.prepare(p, tmp_path)
+    d = pl.load_videos(tmp_path, p)
+    assert d["x"].shape == (8, 6, 1, 16, 16) and {"videos.parquet", "params.parquet", "trajectories.parquet"} <= {
+        f.name for f in tmp_path.iterdir()}
+    m = pl.read_table(tmp_path / "params.parquet")
+    for v in range(8):
+        traj, _ = seq.bouncing_ball(m["y0"][v], m["vy"][v], m["x0"][v], m["vx"][v], m["g"][v], m["e"][v],
+                                    16 - 1 - m["radius"][v], 6)
+        assert np.allclose(d["traj"][v].numpy(), traj, atol=1e-5)
+    # untextured, noiseless frames: the soft centroid sits on the true trajectory (frames 1..)
+    c = pl.soft_centroids(d["x"])
+    assert (c[:, 1:] - d["traj"][:, 1:]).abs().max() < 0.2
+    assert pl.physical_consistency(d["x"], d["traj"], 1.5)[0] == 100.0
+    mass = ((d["x"] + 1) / 2).sum((2, 3, 4))  # (V, T): the trail adds mass to frame 0 only
+    assert (mass[:, 0] > mass[:, 1:].max(1).values).all()
+
+
+def test_load_physics_iq_reads_png_frame_folders(tmp_path):
+    from PIL import Image
+
+    for clip in ("a", "b"):
+        (tmp_path / clip).mkdir()
+        for f in range(5):
+            img = np.full((32, 32), 40 * f, dtype=np.uint8)
+            Image.fromarray(img).save(tmp_path / clip / f"{f:03d}.png")
+    (tmp_path / "metadata.csv").write_text("file,scenario\na,drop\nb,roll\n")
+    videos, rows = pl.load_physics_iq(tmp_path, size=8, n_frames=4)
+    assert videos.shape == (2, 4, 1, 8, 8) and [r["scenario"] for r in rows] == ["drop", "roll"]
+    assert torch.allclose(videos[0, :, 0, 0, 0], torch.tensor([0, 40, 80, 120]) / 255 * 2 - 1)
+    with pytest.raises(ValueError, match="frames"):
+        pl.load_physics_iq(tmp_path, size=8, n_frames=6)
+
+
+def test_networks_shapes_and_time_conditioning():
+    p = pl.Params(n_frames=4, size=8, channels=(8, 16), ae_dim=4)
+    model = pl.Both(p)
+    x = _video(t=4)
+    eps = model.unet(x, torch.tensor([10, 900]), x[:, 0])
+    assert eps.shape == x.shape
+    assert not torch.allclose(eps, model.unet(x, torch.tensor([500, 500]), x[:, 0]))
+    losses = model(x, x[:, 0], torch.tensor([3, 700]), torch.randn_like(x),
+                   pl.ddpm_scheduler(pl.TRAIN_STEPS, "cosine").alphas_cumprod.float())
+    assert set(losses) == {"eps", "ae"} and all(torch.isfinite(v) for v in losses.values())
