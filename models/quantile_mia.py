@@ -36,9 +36,9 @@ Deviations from the paper (choices the abstract left open):
   (3072 inputs, wider hidden layer) instead of ResNet-18 / ConvNeXt-tiny, which do not batch as one ensemble module.
 - smoke: hidden width 128 instead of 256 (26 networks in lock-step cost 26x the spec's per-step estimate for one).
 
-Result at smoke scale (does not hold): TPR@1%FPR quantile 0.013 vs LiRA offline 0.067 / online 0.064 (global
-threshold 0.012); AUROC 0.56 vs 0.57 / 0.60. The seen-class control gives the same picture (quantile 0.014 vs
-LiRA 0.056), so here the gap does not come from the data-access model: the small pixel-MLP regressor does not
+Result at smoke scale (22 epochs; does not hold): TPR@1%FPR quantile 0.015 vs LiRA offline 0.055 / online 0.036
+(global threshold 0.009); AUROC 0.55 vs 0.57 / 0.59. The seen-class control gives the same picture (quantile 0.018
+vs LiRA 0.036), so here the gap does not come from the data-access model: the small pixel-MLP regressor does not
 predict a digit's non-member score well enough, while LiRA's shadows (trained on the queries' own sources) do. The
 regressor's calibration does carry over to the unseen class (alpha = 1% gives 0.4% FPR on class-h non-members).
 """
