@@ -22,7 +22,8 @@ Deviations from the paper (choices the abstract left open):
   same step (two passes per denoising step, in training and inference alike).
 - kappa and c0 are fixed hyperparameters (kappa 4, c0 0), so equal uncertainties give the ablation's 0.5.
 - Encoder outputs are LayerNorm-ed (no affine): the denoising loss cannot shrink the embeddings to make noise
-  prediction trivial.
+  prediction trivial; clean estimates are clipped to +-5 (DDPM's clip_sample), since the cosine schedule's last
+  abar (6e-6 at T = 20) otherwise inflates them ~400x and the cross-entropy on them dominates the loss.
 - UDPD without diffusion: the guidance acts once on the clean encoder outputs (no noise, no denoising loss).
 - Every network trains the same number of full-batch steps (the spec's 100 baseline epochs are raised to the UDPD
   step count so one lock-step engine serves all); the classifier of each graph is selected by nothing (last step).
@@ -72,6 +73,7 @@ class Params(PaperParams):
     diffusion_steps: int = Field(20, ge=2, description="DDPM steps T.")
     ddim_steps: int = Field(5, ge=1, description="Coupled DDIM steps from t* = T/2 at inference.")
     noise_draws: int = Field(4, ge=1, description="Inference noise draws whose logits are averaged.")
+    x0_clip: float = Field(5.0, gt=0, description="Clip of clean estimates (LayerNorm-ed embeddings), as DDPM's.")
     kappa: float = Field(4.0, description="Slope of the uncertainty modulation.")
     c0: float = Field(0.0, description="Offset of the uncertainty modulation.")
     steps: int = Field(200, ge=1, description="Full-batch training steps of every network.")
@@ -201,7 +203,8 @@ class UDPD(nn.Module):
         """Two passes: unguided clean estimates -> uncertainties -> guided noise predictions."""
         ab = self.abar[t][:, None]  # (n, 1)
         zero = torch.zeros_like(zs_t)
-        x0 = lambda z, e: (z - (1 - ab).sqrt() * e) / ab.sqrt()  # noqa: E731
+        clip = self.p.x0_clip  # abar_{T-1} ~ 6e-6 for T = 20: unclipped estimates blow up by ~400x (clip_sample)
+        x0 = lambda z, e: ((z - (1 - ab).sqrt() * e) / ab.sqrt()).clamp(-clip, clip)  # noqa: E731
         zs0, zg0 = x0(zs_t, self.eps_s(zs_t, t, zero, ei)), x0(zg_t, self.eps_g(zg_t, t, zero, ei))
         l_gs, l_sg = self.lambdas(zs0, zg0)
         es = self.eps_s(zs_t, t, l_gs[:, None] * self.w_gs(zg0), ei)
