@@ -1,0 +1,100 @@
+"""GaRA mechanism on tiny inputs: the functional LM forward, the generated norm-constrained LoRA, the zero-shot data."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from models import gara
+from models.common.graphs import write_tag_fixture
+from models.common.lm import TinyLM
+from models.common.tables import read_table
+
+
+def _lm(d=16, layers=2):
+    torch.manual_seed(0)
+    return TinyLM(len(gara.ALPHABET), d, layers, 2, 40).eval()
+
+
+def test_functional_forward_matches_the_lm_and_applies_delta_to_wq_wv():
+    lm = _lm()
+    ids = torch.randint(1, len(gara.ALPHABET), (3, 12))
+    with torch.no_grad():
+        assert torch.allclose(gara.lm_hidden(lm, ids), lm.body(ids), atol=1e-5)
+        # a delta shared by the batch equals editing W_q and W_v of the module itself
+        d = 16
+        dq = [torch.randn(d, d) * 0.1 for _ in range(2)]
+        dv = [torch.randn(d, d) * 0.1 for _ in range(2)]
+        got = gara.lm_hidden(lm, ids, [x.expand(3, -1, -1) for x in dq], [x.expand(3, -1, -1) for x in dv])
+        for i, layer in enumerate(lm.body.blocks.layers):
+            layer.self_attn.in_proj_weight[:d] += dq[i]
+            layer.self_attn.in_proj_weight[2 * d :] += dv[i]
+        assert torch.allclose(got, lm.body(ids), atol=1e-5)
+
+
+def test_soft_prefix_changes_only_through_attention():
+    lm = _lm()
+    ids = torch.randint(1, len(gara.ALPHABET), (2, 8))
+    with torch.no_grad():
+        h = gara.lm_hidden(lm, ids, prefix=torch.zeros(2, 3, 16) + 0.5)
+    assert h.shape == (2, 11, 16)
+
+
+def test_generated_lora_is_low_rank_and_norm_constrained(tmp_path):
+    p = gara.Params(n_train_graphs=2, n_val_graphs=1, n_test_graphs=1, nodes_train=(12, 16), nodes_test=(12, 16),
+                    text_encoder="hashed", lm_width=16, lm_layers=2, hidden=8, rank=2, rho=0.05, alpha=50.0)
+    gara.prepare(p, tmp_path)
+    qb = gara.Queries(tmp_path, p)
+    qs = qb.where("train")[:5].tolist()
+    in_dim = qb.query(qs[0])["graph"].x.shape[1]
+    torch.manual_seed(0)
+    for rho in (0.05, float("inf")):
+        net = gara.Generated(gara.GraphReader(in_dim, 8), 16, 2, 2, 50.0, rho)
+        dq, dv, before, after = net.deltas(qb.graph_batch(qs), qb.batch(qs)["task"])
+        assert dq[0].shape == (5, 16, 16)
+        assert int(torch.linalg.matrix_rank(dq[0][0])) <= 2
+        if np.isfinite(rho):
+            assert (after <= rho * (1 + 1e-4)).all()
+            small = before <= rho
+            assert torch.allclose(after[small], before[small])
+            assert torch.allclose(after[~small], torch.full_like(after[~small], rho), rtol=1e-4)
+        else:
+            assert torch.allclose(after, before)
+
+
+def test_zero_shot_split_and_query_views(tmp_path):
+    p = gara.Params(n_train_graphs=3, n_val_graphs=1, n_test_graphs=2, nodes_train=(20, 30), nodes_test=(20, 30),
+                    text_encoder="hashed", ego_max=10)
+    gara.prepare(p, tmp_path)
+    nodes, graphs = read_table(tmp_path / "nodes.parquet"), read_table(tmp_path / "graphs.parquet")
+    split = dict(zip(graphs["graph_id"], graphs["split"], strict=True))
+    seen = {t for g, t in zip(nodes["graph_id"], nodes["topic_name"], strict=True) if split[g] == "train"}
+    unseen = {t for g, t in zip(nodes["graph_id"], nodes["topic_name"], strict=True) if split[g] == "test"}
+    assert seen <= set(p.train_topics) and not seen & unseen
+    assert "karate" in set(graphs["family"]) and graphs["n_nodes"][graphs["family"] == "karate"][0] == 34
+    qb = gara.Queries(tmp_path, p)
+    q = int(qb.where("test", "karate")[3])
+    item = qb.query(q)
+    assert item["graph"].num_nodes <= 10
+    assert np.allclose(item["graph"].x[0, :384].numpy(), qb.emb[q].numpy())  # centre node first
+    cands = qb.candidates(q)
+    assert cands[item["answer"]] == qb.topic[q]
+    prompt = "".join(gara.ALPHABET[i] for i in item["prompt"])
+    assert prompt.startswith(qb.text[q]) and prompt.endswith("?") and f"({gara.LETTERS[item['answer']]})" in prompt
+    assert len(item["graph_text"]) <= p.text_chars
+
+
+def test_folder_loader_on_a_ten_node_fixture(tmp_path):
+    write_tag_fixture(tmp_path / "tr", n=10, topics=("music", "law"))
+    write_tag_fixture(tmp_path / "te", n=10, topics=("ocean", "botany", "finance"), seed=1)
+    p = gara.Params(dataset="folder", train_dir=str(tmp_path / "tr"), test_dirs=[str(tmp_path / "te")],
+                    text_encoder="hashed", max_labels=2)
+    out = tmp_path / "data"
+    out.mkdir()
+    gara.prepare(p, out)
+    graphs = read_table(out / "graphs.parquet")
+    assert list(graphs["split"]) == ["train", "test"] and list(graphs["n_nodes"]) == [10, 10]
+    qb = gara.Queries(out, p)
+    for q in qb.where("test"):
+        cands = qb.candidates(int(q))
+        assert len(cands) == 2 and qb.topic[int(q)] in cands  # 3 labels cut to max_labels, truth kept
