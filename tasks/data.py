@@ -71,6 +71,7 @@ def stage_for(paper: Paper, profile: str, params: PaperParams, raw_params: dict,
     folder.mkdir(parents=True, exist_ok=True)
     root = settings.root()
     deps = [os.path.relpath(root / "models" / f"{paper.id}.py", folder),
+            os.path.relpath(root / "models" / "common", folder),  # shared generators
             os.path.relpath(root / "tasks" / "prepare_stage.py", folder)]
     stage_spec = {"cmd": f"python -m tasks.prepare_stage {paper.id} params data",
                   "deps": deps, "params": ["params"], "outs": ["data"]}

@@ -23,7 +23,7 @@ configure_environment()
 
 def make_workspace(path: Path) -> Path:
     """A DVC project holding this project's dvc.yaml, params.yaml and the files its stages depend on."""
-    for name in ("dvc.yaml", "params.yaml", ".gitignore"):
+    for name in ("dvc.yaml", "params.yaml", ".gitignore", ".dvcignore"):
         shutil.copy(PROJECT / name, path / name)
     shutil.copytree(PROJECT / "models", path / "models", ignore=shutil.ignore_patterns("__pycache__"))
     (path / "tasks").mkdir()
