@@ -40,9 +40,9 @@ of the median t_s 0.068 vs 0.031, |slope against log N| 0.145 vs 0.074) but more
 bin std 0.125, |slope| 0.171, validity 0.070. Type commitment is where StP harmonises: t_a bin std 0.038 vs EDM
 0.203, |slope| 0.036 vs 0.186. Why the structure part does not show, as far as we can tell: after 250 steps every
 arm is far from converged (validity <= 9%, mostly chains broken into fragments), so final samples and the
-correlation-based t_s are dominated by an undertrained denoiser; and with Rg growing almost linearly in N
-(nu = 0.86 on these chain-rich molecules) StP's prior is 3-5x narrower than the data for the smallest molecules,
-which the short schedule may not learn to undo. The paper's QM9 setting trains for hundreds of thousands of steps.
+correlation-based t_s are dominated by an undertrained denoiser. Rg grows almost linearly in N here
+(nu = 0.86 on these chain-rich molecules), a wider spread of scales than QM9's. The paper's QM9 setting trains
+for hundreds of thousands of steps.
 """
 
 from __future__ import annotations
