@@ -83,13 +83,13 @@ def test_sggen_recall_known_values():
           "s_cls": np.array([3]), "o_cls": np.array([5]), "iou": {0: np.eye(2)}}
     scores = {"pred": np.array([7, 1]), "pred_score": np.array([0.9, 0.8]), "s_lab": np.array([3, 5]),
               "o_lab": np.array([5, 3]), "s_score": np.ones(2), "o_score": np.ones(2)}
-    assert m.sggen_recall(rows, scores, gt)["R@50"] == 1.0
-    assert m.sggen_recall(rows, scores | {"pred": np.array([1, 7])}, gt)["mR@100"] == 0.0  # wrong predicate
-    assert m.sggen_recall(rows, scores | {"s_lab": np.array([4, 5])}, gt)["R@100"] == 0.0  # wrong subject class
-    assert m.sggen_recall(rows, scores, gt | {"iou": {0: 0.4 * np.eye(2)}})["R@100"] == 0.0  # boxes off
+    assert m.sggen_recall(rows, scores, gt)["R50"] == 1.0
+    assert m.sggen_recall(rows, scores | {"pred": np.array([1, 7])}, gt)["mR100"] == 0.0  # wrong predicate
+    assert m.sggen_recall(rows, scores | {"s_lab": np.array([4, 5])}, gt)["R100"] == 0.0  # wrong subject class
+    assert m.sggen_recall(rows, scores, gt | {"iou": {0: 0.4 * np.eye(2)}})["R100"] == 0.0  # boxes off
     # graph constraint with K=1: the other pair outranks the right one, so it is not recalled
     ranked = scores | {"pred_score": np.array([0.1, 0.8])}
-    assert m.sggen_recall(rows, ranked, gt, ks=(1,))["R@1"] == 0.0
+    assert m.sggen_recall(rows, ranked, gt, ks=(1,))["R1"] == 0.0
 
 
 def test_frequency_bias_is_a_log_distribution():
