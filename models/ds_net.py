@@ -20,11 +20,13 @@ What it implements (function names in brackets):
   and the entanglement cosine between class-mean pair representations of co-occurring predicates [diagnostics];
 - VG150 loader for the full profile [load_vg150] (VG-SGG-with-attri.h5 + dicts json + image_data.json).
 
-Smoke result (in-process, one rank, 2 seeds; 600 steps): the claim holds. mR100 DS-Net 0.640 vs host 0.626
-(per-seed deltas +0.023, +0.005) and with frequency bias 0.644 vs 0.622 (+0.017, +0.028); R@100 0.664 vs 0.645;
-entanglement cosine of tied predicate pairs 0.73 (DS-Net) vs 0.89 (host). The geometric over-prediction rate is the
-same for host and DS-Net (0.154): the gain comes from rarer predicates, not from fewer geometric top-1s. Scenes hold
-at most 8 proposals (56 pairs), so R@50 and R@100 coincide. `tie: 0` (the knob off) was not measured at smoke scale.
+Smoke results (2 seeds, 600 steps). `paperline run` (2 ranks): does NOT hold, on the per-seed rule only. mR@100
+DS-Net 0.643 vs host 0.629 (per-seed deltas +0.029, -0.001) and with frequency bias 0.648 vs 0.626 (+0.018, +0.026);
+R@100 0.662 vs 0.642; entanglement cosine of tied predicate pairs 0.73 (DS-Net) vs 0.89 (host); geometric
+over-prediction 0.145 vs 0.140 (no reduction). An in-process one-rank run of the same profile held (deltas +0.023,
++0.005 and +0.017, +0.028): the mean gain is consistent (+0.014 / +0.022 mR@100), the no-bias seed-1 delta sits at
+zero. Scenes hold at most 8 proposals (56 pairs), so R@50 and R@100 coincide. `tie: 0` (the knob off) was not
+measured at smoke scale.
 
 The phenomenon's knobs: `rho` (co-occurrence strength), `p_sem` (salience) and `tie` (the probability that a
 non-geometric predicate is drawn from those tied to the pair's geometry; `tie: 0` assigns it regardless of
