@@ -20,7 +20,8 @@ What it implements (function names in brackets):
   and the entanglement cosine between class-mean pair representations of co-occurring predicates [diagnostics];
 - VG150 loader for the full profile [load_vg150] (VG-SGG-with-attri.h5 + dicts json + image_data.json).
 
-Smoke results (2 seeds, 600 steps). `paperline run` (2 ranks): does NOT hold, on the per-seed rule only. mR@100
+Smoke results (2 seeds, 600 steps). `paperline run` (2 ranks, 53 s wall on a quiet machine, 45 s training at
+17.8 it/s): does NOT hold, on the per-seed rule only. mR@100
 DS-Net 0.643 vs host 0.629 (per-seed deltas +0.029, -0.001) and with frequency bias 0.648 vs 0.626 (+0.018, +0.026);
 R@100 0.662 vs 0.642; entanglement cosine of tied predicate pairs 0.73 (DS-Net) vs 0.89 (host); geometric
 over-prediction 0.145 vs 0.140 (no reduction). An in-process one-rank run of the same profile held (deltas +0.023,
