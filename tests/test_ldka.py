@@ -1,0 +1,120 @@
+"""LDKA mechanism: protocols, the look-alike knob, margins, PML weights, curvature, unbiased KD, decoupling, loaders."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from models import ldka as m
+
+
+def test_protocols():
+    assert m.protocol_steps("4-2", 8) == [[1, 2, 3, 4], [5, 6], [7, 8]]
+    assert m.protocol_steps("6-1", 8) == [[1, 2, 3, 4, 5, 6], [7], [8]]
+    assert m.protocol_steps("4-4", 8) == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert len(m.protocol_steps("15-1", 20)) == 6
+
+
+def test_lookalike_knob():
+    p = m.Params(lookalike=1.0, gap=0.6)
+    old, new = m.class_look(1, p), m.class_look(5, p)
+    assert old[0] == new[0] and np.allclose(old[1], new[1]) and new[2] - old[2] == pytest.approx(0.6)
+    far = m.class_look(5, m.Params(lookalike=0.0))
+    assert np.abs(far[1] - old[1]).max() > 0.3
+
+
+def test_render_labels_every_object_pixel():
+    img, mask = m.render_scene(np.random.default_rng(0), m.Params(max_objects=3))
+    assert img.shape == (32, 32, 3) and img.dtype == np.uint8 and mask.max() <= 8 and (mask > 0).any()
+
+
+def test_pixel_margin_known_value():
+    logits = torch.tensor([1.0, 3.0, 2.0, 9.0]).view(1, 4, 1, 1)
+    assert m.pixel_margin(logits, torch.tensor([[[1]]]), 3).item() == pytest.approx(1.0)  # class 3 not yet seen
+    assert m.pixel_margin(logits, torch.tensor([[[0]]]), 3).item() == pytest.approx(-2.0)
+
+
+def test_pml_weights():
+    margin = torch.tensor([[[-1.0, 0.0, 2.0, 5.0]]])
+    assert torch.allclose(m.pml_weights(margin, 0.0), torch.ones_like(margin))
+    w = m.pml_weights(margin, 1.0)
+    assert w.mean().item() == pytest.approx(1.0)
+    assert (w.flatten().diff() < 0).all()  # lower margin -> more weight
+
+
+class Square(nn.Module):
+    """z_0 = 0.5 f_0^2, z_1 = 0: margin of class 0 is 0.5 f_0^2, second derivative 1 along f_0."""
+
+    def forward(self, f):
+        return torch.cat([0.5 * f[:, :1] ** 2, torch.zeros_like(f[:, :1])], 1)
+
+
+def test_skd_curvature_known_values():
+    f = torch.tensor([1.5, -0.3, 0.7]).view(1, 3, 1, 1)
+    y = torch.zeros(1, 1, 1, dtype=torch.long)
+    assert m.skd_curvature(Square(), f, y, 2, 0.1).item() == pytest.approx(1.0, rel=1e-3)
+    linear = nn.Conv2d(3, 2, 1)
+    assert m.skd_curvature(linear, f, y, 2, 0.1).item() == pytest.approx(0.0, abs=1e-4)
+
+
+def test_unbiased_kd():
+    old = torch.randn(2, 5, 3, 3)
+    assert m.unbiased_kd(old, old, 5, 5).item() == pytest.approx(0.0, abs=1e-6)
+    # the new model moves the old model's background mass onto a new class: not penalised
+    old_bg = torch.full((1, 3, 1, 1), -10.0)
+    old_bg[:, 0] = 10.0
+    new = torch.full((1, 4, 1, 1), -10.0)
+    new[:, 3] = 10.0
+    assert m.unbiased_kd(new, old_bg, 3, 4).item() == pytest.approx(0.0, abs=1e-4)
+    plain = torch.nn.functional.kl_div(new[:, :3].log_softmax(1), old_bg.softmax(1), reduction="batchmean")
+    assert plain.item() > 1.0
+
+
+def test_mad_loss_and_competition():
+    f = torch.zeros(1, 2, 1, 2)
+    f[0, 0, 0, 0], f[0, 1, 0, 1] = 1.0, 1.0  # pixel 0 (class 0) along e0, pixel 1 (class 1) along e1
+    y = torch.tensor([[[0, 1]]])
+    comp = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
+    orthogonal = torch.eye(2)
+    assert m.mad_loss(f, y, orthogonal, comp).item() == pytest.approx(0.0)
+    same = torch.ones(2, 2)
+    assert m.mad_loss(f, y, same, comp).item() == pytest.approx(2.0)  # cos(w0, w1) = 1, both directions
+    assert m.mad_loss(f, y, same, torch.zeros(2, 2)).item() == 0.0
+    logits = torch.tensor([[[[2.0, 0.0]], [[0.0, 2.0]]]])  # (1, 2, 1, 2)
+    stats, count = m.competition_stats(logits, y, 2)
+    assert torch.allclose(count, torch.ones(2)) and torch.allclose(stats.sum(1), torch.ones(2))
+    assert stats[0, 0] > stats[0, 1]
+
+
+def _fixture_pair(img_path, mask_path, value):
+    from PIL import Image
+
+    img_path.parent.mkdir(parents=True, exist_ok=True)
+    mask_path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.full((20, 30, 3), 100, np.uint8)).save(img_path)
+    mask = np.zeros((20, 30), np.uint8)
+    mask[5:15, 5:20], mask[0, 0] = value, 255
+    Image.fromarray(mask).save(mask_path)
+
+
+def test_voc_loader(tmp_path):
+    names = ["2007_000001", "2007_000002", "2007_000003"]
+    for i, n in enumerate(names):
+        _fixture_pair(tmp_path / "JPEGImages" / f"{n}.jpg", tmp_path / "SegmentationClassAug" / f"{n}.png", i + 1)
+    sets = tmp_path / "ImageSets" / "Segmentation"
+    sets.mkdir(parents=True)
+    (sets / "train_aug.txt").write_text("\n".join(names[:2]))
+    (sets / "val.txt").write_text(names[2])
+    scenes, pools = m.load_voc(tmp_path, 16)
+    assert pools == ["train", "train", "test"]
+    assert scenes[0][0].shape == (16, 16, 3) and set(np.unique(scenes[2][1])) == {0, 3}  # 255 -> background
+
+
+def test_ade20k_loader(tmp_path):
+    for i, split in enumerate(["training", "training", "validation"]):
+        _fixture_pair(tmp_path / "images" / split / f"ADE_{i}.jpg", tmp_path / "annotations" / split / f"ADE_{i}.png",
+                      i + 10)
+    scenes, pools = m.load_ade20k(tmp_path, 8)
+    assert pools == ["train", "train", "test"] and scenes[1][1].max() == 11 and scenes[0][0].shape == (8, 8, 3)
