@@ -89,8 +89,8 @@ def _follow_current_streams() -> None:
 
     for name in ("dvc", "dvc_objects", "dvc_data"):
         for handler in logging.getLogger(name).handlers:
-            if isinstance(handler, logging.StreamHandler):
-                handler.setStream(sys.stderr if handler.level >= logging.WARNING else sys.stdout)
+            if isinstance(handler, logging.StreamHandler):  # not setStream: it flushes the old, closed stream
+                handler.stream = sys.stderr if handler.level >= logging.WARNING else sys.stdout
 
 
 def reproduce(stage: DataStage, force: bool = False) -> PreparedData:
