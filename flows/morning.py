@@ -75,7 +75,10 @@ def paper_line(paper_id: str, since_ms: int, profile: str) -> Line:
                                   "tags.`claim.holds` != ''", order_by=["attributes.start_time DESC"],
                                   max_results=TREND_RUNS)
     metric, _ = registry.get(paper_id).primary
-    reused = [r for r in finished if int(r.data.tags.get("paperline.reused_at", 0)) >= since_ms]
+    reused = sorted((r for r in finished if int(r.data.tags.get("paperline.reused_at", 0)) >= since_ms),
+                    key=lambda r: int(r.data.tags["paperline.reused_at"]), reverse=True)
+    if started and reused and int(reused[0].data.tags["paperline.reused_at"]) > started[0].info.start_time:
+        started = []  # the latest event in the window is a reuse: the paper was skipped last
     if started and started[0].info.status != "FINISHED":
         line = Line(paper_id, "failed", f"run {started[0].info.status.lower()}", run_url=url + started[0].info.run_id)
         now = None

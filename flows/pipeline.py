@@ -141,6 +141,7 @@ def promote_task(paper: str, run_id: str) -> None:
 @flow(name="suite")
 def suite(papers: list[str] | None = None, profile: str = "smoke", force: bool = False) -> list[dict]:
     """Every given paper (default: all registered) in turn; one paper's failure is reported, not fatal."""
+    started = time.time()
     ids = papers or registry.paper_ids()
     for pid in ids:  # validate every id and profile before any work
         registry.resolve(pid, profile, None, settings.params_file())
@@ -152,7 +153,10 @@ def suite(papers: list[str] | None = None, profile: str = "smoke", force: bool =
         except Exception as e:  # noqa: BLE001 - report and continue with the next paper
             _say(f"[{pid}] FAILED: {type(e).__name__}: {e}")
             results.append({"paper": pid, "profile": profile, "error": f"{type(e).__name__}: {e}"})
-    md, _ = morning.write(morning.morning(24 * 3600, profile), "24h", stem=f"morning-{time.strftime('%Y-%m-%d')}")
+    # the report covers this suite run: what it retrained, skipped or lost
+    window = time.time() - started + 1
+    md, _ = morning.write(morning.morning(window, profile), f"{window / 60:.0f} min (this suite run)",
+                          stem=f"morning-{time.strftime('%Y-%m-%d')}")
     _say(f"morning report: {md}")
     return results
 
