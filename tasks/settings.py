@@ -67,6 +67,8 @@ def configure_environment() -> None:
     }
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
+    # Prefect creates its home folder without parents, and then cannot open its database
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     # DVC stages run `python ...` through a shell: make that the interpreter running paperline, venv or not.
     bin_dir = str(Path(sys.executable).parent)
     if os.environ.get("PATH", "").split(os.pathsep)[0] != bin_dir:

@@ -13,6 +13,8 @@ import pytest
 
 PROJECT = Path(__file__).resolve().parents[1]
 os.environ["PREFECT_HOME"] = str(PROJECT / ".cache" / "test-prefect-home")
+# Prefect creates its home without parents: on a fresh clone .cache/ does not exist yet
+Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
 os.environ.setdefault("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", "true")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 
