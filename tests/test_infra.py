@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import inspect
+import json
 import shutil
 import subprocess
 import sys
 
 import pytest
 import yaml
+from prefect.utilities.schema_tools.validation import validate
+from prefect.utilities.templating import apply_values, find_placeholders
 
 from flows import pipeline, serve
 from models import registry
@@ -24,9 +27,74 @@ def test_prefect_yaml_matches_the_flows():
         assert module == "flows/pipeline.py"
         flow = getattr(pipeline, func)
         assert set(deployment["parameters"]) <= set(inspect.signature(flow.fn).parameters)
-        assert deployment["work_pool"]["name"] == "paperline-process"
+        pool = deployment["work_pool"]
+        if pool["name"] == "paperline-process":
+            assert not pool.get("job_variables")
+        else:  # container pools: the deployment's job variables are ones the pool's template declares, well typed
+            variables = _pool_template(pool["name"])["variables"]
+            assert set(pool["job_variables"]) <= set(variables["properties"]), deployment["name"]
+            assert not validate(pool["job_variables"], variables, ignore_required=True), deployment["name"]
     assert by_name["nightly"]["schedules"][0]["cron"] == serve.DEFAULT_CRON
     assert by_name["on-demand"]["parameters"]["paper"] in registry.papers()
+
+
+POOL_TEMPLATES = {"paperline-docker": "docker.json", "paperline-k8s": "kubernetes.json"}
+
+
+def _pool_template(pool: str) -> dict:
+    return json.loads((PROJECT / "infra" / "pools" / POOL_TEMPLATES[pool]).read_text())
+
+
+def _render(pool: str, job_variables: dict) -> dict:
+    """What a worker of that pool builds for a flow run: the template's defaults, overridden by the deployment's."""
+    template = _pool_template(pool)
+    values = {name: spec["default"] for name, spec in template["variables"]["properties"].items()
+              if spec.get("default") is not None}
+    return apply_values(template["job_configuration"], {**values, **job_variables})
+
+
+@pytest.mark.parametrize("pool", sorted(POOL_TEMPLATES))
+def test_pool_templates_use_only_declared_variables(pool):
+    template = _pool_template(pool)
+    used = {p.name for p in find_placeholders(template["job_configuration"])}
+    assert used <= set(template["variables"]["properties"]), used - set(template["variables"]["properties"])
+
+
+def test_full_gpu_deployment_renders_a_kubernetes_job_with_gpus_and_the_project_volume():
+    config = yaml.safe_load((PROJECT / "prefect.yaml").read_text())
+    (deployment,) = [d for d in config["deployments"] if d["name"] == "full-gpu"]
+    full = registry.resolve(deployment["parameters"]["paper"], "full", None, PROJECT / "params.yaml")
+    assert full.ranks == deployment["work_pool"]["job_variables"]["gpus"]  # one rank per GPU
+    job = _render("paperline-k8s", deployment["work_pool"]["job_variables"])["job_manifest"]
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert container["image"] == "paperline:latest" and container["workingDir"] == "/opt/paperline"
+    assert job["metadata"]["namespace"] == "paperline"
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    secrets = {e["secretRef"]["name"] for e in container["envFrom"]}
+    # ... and the worker manifest creates that claim and that secret's consumer, for that pool, with rights to Jobs
+    manifests = list(yaml.safe_load_all((PROJECT / "infra" / "k8s" / "worker.yaml").read_text()))
+    kinds = {m["kind"]: m for m in manifests}
+    assert claims == {kinds["PersistentVolumeClaim"]["metadata"]["name"]}
+    worker = kinds["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert worker["command"][worker["command"].index("--pool") + 1] == "paperline-k8s"
+    assert secrets == {e["secretRef"]["name"] for e in worker["envFrom"]}
+    (jobs_rule,) = [r for r in kinds["Role"]["rules"] if "jobs" in r["resources"]]
+    assert {"create", "delete", "watch"} <= set(jobs_rule["verbs"])
+    assert {m["metadata"]["namespace"] for m in manifests} == {"paperline"}
+
+
+def test_dockerfile_installs_the_locked_versions():
+    text = (PROJECT / "infra" / "Dockerfile").read_text()
+    torch_pin = next(d for d in _project_dependencies() if d.startswith("torch=="))
+    assert torch_pin in text and "-c constraints.txt -e ." in text
+
+
+def _project_dependencies() -> list[str]:
+    import tomllib
+
+    return tomllib.loads((PROJECT / "pyproject.toml").read_text())["project"]["dependencies"]
 
 
 def test_compose_services_bind_loopback_and_take_secrets_from_env():
@@ -37,6 +105,12 @@ def test_compose_services_bind_loopback_and_take_secrets_from_env():
             assert port.startswith("127.0.0.1:"), (name, port)
     text = (PROJECT / "infra" / "compose.yaml").read_text()
     assert "--app-name basic-auth" in text and "PASSWORD: ${" in text
+    # the init script creates every database the services connect to
+    databases = compose["services"]["postgres"]["environment"]["POSTGRES_MULTIPLE_DATABASES"].split(",")
+    assert {"mlflow", "prefect"} <= set(databases)
+    assert "@postgres:5432/mlflow" in text and "@postgres:5432/prefect" in text
+    script = PROJECT / "infra" / "initdb" / "create-databases.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
 
 
 def test_hostfile_validation_and_launcher(tmp_path):

@@ -87,6 +87,7 @@ def test_work_pool_worker_runs_a_deployment_from_prefect_yaml(workspace, tmp_pat
 
     shutil.copytree(PROJECT / "flows", workspace / "flows", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(PROJECT / "prefect.yaml", workspace / "prefect.yaml")
+    shutil.copytree(PROJECT / "infra" / "pools", workspace / "infra" / "pools")
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": api,
@@ -100,6 +101,12 @@ def test_work_pool_worker_runs_a_deployment_from_prefect_yaml(workspace, tmp_pat
         _wait(lambda: urllib.request.urlopen(f"{api}/health", timeout=2).status == 200, 240, "Prefect server",
               [server_log])
         for command in (["work-pool", "create", "paperline-process", "--type", "process"],
+                        # the container pools from their templates: the server validates them and, on deploy, the
+                        # deployments' job variables against them (no worker runs for these here)
+                        ["work-pool", "create", "paperline-docker", "--type", "docker", "--base-job-template",
+                         "infra/pools/docker.json"],
+                        ["work-pool", "create", "paperline-k8s", "--type", "kubernetes", "--base-job-template",
+                         "infra/pools/kubernetes.json"],
                         ["--no-prompt", "deploy", "--all"],
                         ["deployment", "run", "paper-pipeline/on-demand", "--param", "paper=sei", "--param",
                          "profile=test"]):
@@ -112,6 +119,10 @@ def test_work_pool_worker_runs_a_deployment_from_prefect_yaml(workspace, tmp_pat
         from prefect.client.orchestration import SyncPrefectClient
 
         with SyncPrefectClient(api) as client:
+            deployed = {d.name: d for d in client.read_deployments()}
+            assert deployed["full-gpu"].work_pool_name == "paperline-k8s" and deployed["full-gpu"].job_variables[
+                "gpus"] == 8
+            assert [s.active for s in deployed["nightly-docker"].schedules] == [False]
             # the nightly deployment's upcoming runs are there too, still scheduled
             (flow_run,) = [r for r in client.read_flow_runs() if not r.state.is_scheduled()]
             assert flow_run.state.is_completed(), flow_run.state
