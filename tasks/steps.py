@@ -7,8 +7,10 @@ outputs and the data, so it simply reruns.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 from pathlib import Path
 
 from prefect import task
@@ -26,7 +28,16 @@ def prepare_task(paper: Paper, profile: str, params: PaperParams, raw_params: di
     return data.reproduce(stage, force=force)
 
 
-@task(name="train", retries=1, retry_delay_seconds=2)
+def _worth_retrying(task, task_run, state) -> bool:
+    """A killed rank or a lost connection may not happen twice; a full disk will."""
+    try:
+        state.result()
+    except Exception as exc:  # noqa: BLE001 - the failure being judged
+        return os.strerror(errno.ENOSPC) not in str(exc)
+    return True
+
+
+@task(name="train", retries=1, retry_delay_seconds=2, retry_condition_fn=_worth_retrying)
 def train_task(job: TrainJob) -> Path:
     launch(job)
     return job.out_dir

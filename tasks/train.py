@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from pathlib import Path
 from models.contract import PaperParams
 from tasks.settings import mask
 from tasks.worker import DONE_MARKER, free_port
+
+ERROR_LINE = re.compile(r"^(\[[^\]]*\]:)?\s*[A-Za-z_.]*(Error|Exception|Interrupt): ")
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,17 @@ def launch(job: TrainJob) -> None:
                 print(line, end="", file=sys.stderr, flush=True)
         code = process.wait()
     if code != 0 or not (job.out_dir / DONE_MARKER).exists():
-        raise RuntimeError(f"DeepSpeed job of {job.paper_id} failed (exit {code}); see {log_path}")
+        reason = last_error(log_path)
+        raise RuntimeError(f"DeepSpeed job of {job.paper_id} failed (exit {code})"
+                           f"{': ' + reason if reason else ''}; see {log_path}")
+
+
+def last_error(log_path: Path) -> str | None:
+    """The last exception line a rank printed (`SomeError: message`), so the failure reads without opening the log."""
+    lines = log_path.read_text(errors="replace").splitlines()[-400:] if log_path.exists() else []
+    errors = [line.split("]:", 1)[-1].strip() for line in lines
+              if ERROR_LINE.search(line) and "ChildFailedError" not in line]  # torchrun's own summary says less
+    return errors[-1][:500] if errors else None
 
 
 def launcher_command(ranks: int, spec_path: Path, hostfile: str | None) -> list[str]:

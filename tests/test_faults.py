@@ -85,3 +85,31 @@ def test_unwritable_run_folder_fails_clearly_and_marks_the_run_failed(workspace,
     assert "error: sei failed:" in result.output and "runs" in result.output
     (run,) = tracking.client().search_runs([tracking.experiment_id("sei")])
     assert run.info.status == "FAILED"  # not left RUNNING
+
+
+def test_full_disk_fails_clearly_and_marks_the_run_failed(workspace, prefect_harness, tmp_path):
+    """A real ENOSPC: the run folder is a 64 KiB tmpfs, too small for the first checkpoint."""
+    runs = workspace / "runs"
+    runs.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(runs)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        result = CliRunner().invoke(app, ["run", "sei", "--profile", "test"])
+        assert result.exit_code == 1
+        assert "error: sei failed:" in result.output and "No space left on device" in result.output
+        (run,) = tracking.client().search_runs([tracking.experiment_id("sei")])
+        assert run.info.status == "FAILED"
+    finally:
+        subprocess.run(["umount", "-l", str(runs)])
+
+
+def test_the_failure_reason_is_the_last_rank_error_not_torchruns_summary(tmp_path):
+    from tasks.train import last_error
+
+    log = tmp_path / "train.log"
+    log.write_text("step 3/6\n[rank1]: Traceback (most recent call last):\n[rank1]:   File \"x.py\"\n"
+                   "[rank1]: OSError: [Errno 28] No space left on device\n"
+                   "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n")
+    assert last_error(log) == "OSError: [Errno 28] No space left on device"
+    assert last_error(tmp_path / "missing.log") is None
