@@ -1,0 +1,50 @@
+"""Markdown tables from benchmarks/results/*.json, for benchmarks/README.md.
+
+    python benchmarks/tables.py suite          # smoke wall/CPU/stage times per paper, slowest first
+    python benchmarks/tables.py reproduce      # which papers reproduce bitwise
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def suite() -> str:
+    rows = json.loads((RESULTS / "suite_times.json").read_text())
+    lines = ["| paper | wall s | CPU s | load at start | prepare s | train s | evaluate s | verdict |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for paper, r in sorted(rows.items(), key=lambda kv: -kv[1]["wall_s"]):
+        s = r["stages"]
+        verdict = {"true": "holds", "false": "does not hold"}.get(r["claim_holds"], r["claim_holds"])
+        lines.append(f"| {paper} | {r['wall_s']} | {r.get('cpu_s', '')} | {r.get('load_at_start', '')} | "
+                     f"{s.get('time/prepare_s', '')} | {s.get('time/train_s', '')} | "
+                     f"{s.get('time/evaluate_s', '')} | {verdict} |")
+    total = sum(r["wall_s"] for r in rows.values())
+    lines.append(f"\n{len(rows)} papers, {total / 60:.1f} min of wall time in all; "
+                 f"{sum(r['wall_s'] > 90 for r in rows.values())} over 90 s.")
+    return "\n".join(lines)
+
+
+def reproduce() -> str:
+    results = json.loads((RESULTS / "reproducibility.json").read_text())
+    lines = []
+    for key, rows in results.items():
+        lines += [f"\n`{key}`:\n", "| paper | bitwise | metrics | differing (original → reproduced) |",
+                  "| --- | --- | --- | --- |"]
+        for paper, r in sorted(rows.items()):
+            if "bitwise" not in r:
+                lines.append(f"| {paper} | error | | {r.get('error', '')[:120]} |")
+                continue
+            diff = "; ".join(f"{k} {v['original']:.6g} → {v['reproduced']:.6g}" if None not in v.values()
+                             else f"{k} missing" for k, v in list(r["differing"].items())[:3])
+            more = f" (+{len(r['differing']) - 3} more)" if len(r["differing"]) > 3 else ""
+            lines.append(f"| {paper} | {'yes' if r['bitwise'] else 'NO'} | {r['metrics']} | {diff}{more} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print({"suite": suite, "reproduce": reproduce}[sys.argv[1]]())
