@@ -19,8 +19,8 @@ What it implements (function names in brackets):
   references; multi-state coverage, context flip rate, dominance bias P(nearer A | truth B); linear probes for the
   true state [probe_accuracy] on mean-pooled trunk pair features and the decoder's last hidden layer; linear CKA of
   (b)'s and (c)'s pair features [linear_cka];
-- the full profile's loader of curated assemblies in mmCIF [read_mmcif_ca, load_mmcif_set] and the fixture writer
-  the tests use [write_mmcif_fixture].
+- the full profile's loader of curated assemblies in mmCIF [read_mmcif_ca, load_mmcif_set], tested on a fixture
+  of synthetic hinge proteins written as mmCIF by tests/test_promise.py.
 
 Deviations from the paper (choices the abstract left open):
 - AlphaFold3 and BioEmu are not run (weights out of scope); small in-pipeline models stand in for them. "method" is
@@ -33,6 +33,17 @@ Deviations from the paper (choices the abstract left open):
   rule, not by the biased training rows) and scored on the test targets' conditions.
 - gemmi is not installed here, so the mmCIF loader reads the `_atom_site` loop itself (Calpha of the first model).
 - (a) and (b) train in one engine in lock-step (summed losses, same batches); (c) in a second engine.
+- The hinge bends about the hinge residue's radial axis; with the 80-140 degree range the states lie 4-6 A apart at
+  16 residues and 6-9 A at 24 (the spec's 4-8 A band, stretched by the longer chains).
+- `basin_coverage` (not in the claim) relaxes coverage to "some sample nearer each state", to separate state
+  selection from accuracy.
+
+Outcome at smoke scale (one seed, 200 steps per model): no system hits both states within 2 A, because no decoder
+is accurate enough (best-of-K RMSD to the true state 3.1-3.4 A for (b)/(c), 4.4 A for (a), 4.2 A for the nearest
+training structure; 300 steps at a higher learning rate gave the same), so findings 1 and 4 do not hold (coverage
+0 = 0). Findings 2 and 3 hold: (a) never flips with context, and a linear probe reads the context-set state from
+its trunk at ~0.8 while its output is right at chance (0.5). Debiasing shows in state selection rather than in hits:
+dominance bias P(nearer A | truth B) falls from ~0.8 for (b) to ~0.6-0.7 for (c) and the flip rate rises.
 """
 
 from __future__ import annotations
@@ -76,7 +87,7 @@ class Params(PaperParams):
     examples: int = Field(8, ge=1, description="Training rows per training target.")
     kappa: float = Field(0.85, ge=0.0, le=1.0, description="Share of intrinsic training rows showing state A.")
     rho_ctx: float = Field(0.3, ge=0.0, le=1.0, description="Share of induced rows with context that show B.")
-    hinge_angle: tuple[float, float] = Field((90.0, 150.0), description="Range (degrees) of state B's extra "
+    hinge_angle: tuple[float, float] = Field((80.0, 140.0), description="Range (degrees) of state B's extra "
                                                                          "hinge rotation over state A.")
     d_s: int = Field(32, ge=4, description="Residue embedding width.")
     d_z: int = Field(32, ge=4, description="Pair feature width.")
@@ -102,13 +113,12 @@ def _rotate(points: np.ndarray, origin: np.ndarray, axis: np.ndarray, angle: flo
 
 def fold_states(seq: str, hinge_angle: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
     """The hidden folding rule: (L, 3) Calpha coordinates (Angstrom) of states A and B, both centred.
-    An ideal alpha helix (radius 2.3, rise 1.5, 100 degrees per residue) is bent at the hinge residue about an axis
-    set by the residue after it; A's kink grows with domain 1's hydrophobic share, B's extra rotation with
-    domain 2's."""
+    An ideal alpha helix (radius 2.3, rise 1.5, 100 degrees per residue) is bent at the hinge residue about its
+    radial axis; A's kink grows with domain 1's hydrophobic share, B's extra rotation with domain 2's."""
     n, h = len(seq), next(i for i, c in enumerate(seq) if c in HINGE.values())
     i = np.arange(n)
     chain = np.stack([2.3 * np.cos(np.radians(100) * i), 2.3 * np.sin(np.radians(100) * i), 1.5 * i], 1)  # (L, 3)
-    phi = 2 * np.pi * LETTERS.index(seq[min(h + 1, n - 1)]) / len(LETTERS)
+    phi = np.radians(100) * h  # the hinge residue's radial direction: the bend is fixed in the chain's own frame
     axis, origin = np.array([np.cos(phi), np.sin(phi), 0.0]), chain[h]
     frac = lambda part: np.mean([c in HYDROPHOBIC for c in part]) if part else 0.5  # noqa: E731
     kink = np.radians(30 + 40 * frac(seq[:h]))
@@ -153,9 +163,7 @@ def _synthetic(p: Params) -> tuple[dict, dict]:
             seq[h] = HINGE[mech]
             seq = "".join(seq)
             for state, xyz in zip("AB", fold_states(seq, p.hinge_angle), strict=True):
-                for r, (x, y, z) in enumerate(xyz):
-                    for c, v in zip(c_cols, (tid, state, r, x, y, z), strict=True):
-                        c_cols[c].append(v)
+                _add_coords(c_cols, tid, state, xyz)
             if k in test:  # evaluation conditions, truth by the world rule
                 rows = [("", "AB")] if mech == "intrinsic" else [("", "A"), (_context(mech, True, rng), "B")]
             else:  # training exposure: the dominant state A is over-represented
@@ -168,9 +176,18 @@ def _synthetic(p: Params) -> tuple[dict, dict]:
                         state = "B" if ctx and rng.random() < p.rho_ctx else "A"
                     rows.append((ctx, state))
             for ctx, state in rows:
-                for c, v in zip(t_cols, (tid, mech, seq, ctx, state, "test" if k in test else "train"), strict=True):
-                    t_cols[c].append(v)
+                _add(t_cols, tid, mech, seq, ctx, state, "test" if k in test else "train")
     return t_cols, c_cols
+
+
+def _add(cols: dict[str, list], *values) -> None:
+    for c, v in zip(cols, values, strict=True):
+        cols[c].append(v)
+
+
+def _add_coords(cols: dict[str, list], tid: str, state: str, xyz: np.ndarray) -> None:
+    for r, (x, y, z) in enumerate(xyz):
+        _add(cols, tid, state, r, x, y, z)
 
 
 # ---- mmCIF (full profile) ------------------------------------------------------------------------------------------
@@ -214,38 +231,9 @@ def load_mmcif_set(folder: Path) -> tuple[dict, dict]:
             seq, xyz = chains[row["chain"]]
             others = [c for c in chains if c not in (row["chain"], "*")]
             ctx = "*" if "*" in chains else ("+" + chains[others[0]][0][: CTX_LEN - 1] if others else "")
-            for c, v in zip(t_cols, (row["target_id"], row["mechanism"], seq, ctx, row["state"], row["split"]),
-                            strict=True):
-                t_cols[c].append(v)
-            for r, (x, y, z) in enumerate(xyz - xyz.mean(0)):
-                for c, v in zip(c_cols, (row["target_id"], row["state"], r, x, y, z), strict=True):
-                    c_cols[c].append(v)
+            _add(t_cols, row["target_id"], row["mechanism"], seq, ctx, row["state"], row["split"])
+            _add_coords(c_cols, row["target_id"], row["state"], xyz - xyz.mean(0))
     return t_cols, c_cols
-
-
-def write_mmcif_fixture(folder: Path, n_targets: int = 2, seed: int = 0) -> None:
-    """A tiny curated set in the loader's format: synthetic hinge proteins as mmCIF, state B with its context."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    inverse = {v: k for k, v in THREE.items()}
-    index = ["target_id,mechanism,state,file,chain,split"]
-    for k in range(n_targets):
-        mech = MECHANISMS[1 + k % 2]
-        seq = "".join(rng.choice(list(BODY), 10)) + HINGE[mech] + "".join(rng.choice(list(BODY), 9))
-        for state, xyz in zip("AB", fold_states(seq, (90.0, 150.0)), strict=True):
-            atoms = [("ATOM", "CA", inverse[a], "A", x) for a, x in zip(seq, xyz, strict=True)]
-            if state == "B":
-                atoms += [("HETATM", "C1", "LIG", "B", xyz[0] + 5.0)] if mech == "ligand" else \
-                    [("ATOM", "CA", inverse[a], "C", xyz[i] + 9.0) for i, a in enumerate("GAVLKE")]
-            atoms.append(("HETATM", "O", "HOH", "W", np.zeros(3)))
-            body = "\n".join(f"{g} {i + 1} {a} {c} {ch} {x:.3f} {y:.3f} {z:.3f} 1"
-                             for i, (g, a, c, ch, (x, y, z)) in enumerate(atoms))
-            header = ["data_fixture", "#", "loop_"] + [f"_atom_site.{c}" for c in (
-                "group_PDB", "id", "label_atom_id", "label_comp_id", "auth_asym_id", "Cartn_x", "Cartn_y", "Cartn_z",
-                "pdbx_PDB_model_num")]
-            (folder / f"t{k}_{state}.cif").write_text("\n".join(header) + "\n" + body + "\n#\n")
-            index.append(f"t{k},{mech},{state},t{k}_{state}.cif,A,{'test' if k == 0 else 'train'}")
-    (folder / "index.csv").write_text("\n".join(index) + "\n")
 
 
 # ---- networks ------------------------------------------------------------------------------------------------------
@@ -580,14 +568,17 @@ def _rmsd_to_refs(samples: np.ndarray, ref_a: np.ndarray, ref_b: np.ndarray) -> 
 
 def scheme_metrics(rmsd: np.ndarray, mech: np.ndarray, truth: np.ndarray, target: np.ndarray, hit: float) -> dict:
     """The ProMiSE metrics from (N, K, 2) RMSDs of N test conditions: coverage on intrinsic targets, flip rate on
-    induced targets (majority state of the K samples, with vs without context), dominance P(nearer A | truth B)."""
+    induced targets (majority state of the K samples, with vs without context), dominance P(nearer A | truth B);
+    basin_coverage relaxes coverage to "some sample nearer A and some nearer B" (no accuracy threshold)."""
     nearer_b = rmsd[..., 1] < rmsd[..., 0]  # (N, K)
     intr, truth_b = mech == "intrinsic", truth == "B"
     vote_b = nearer_b.mean(1) > 0.5  # (N,)
     flips = [vote_b[(target == tid) & (truth == "A")][0] != vote_b[(target == tid) & truth_b][0]
              for tid in dict.fromkeys(target[~intr])]
     best = np.where(truth_b, rmsd[..., 1].min(1), rmsd[..., 0].min(1))[~intr]
+    both_nearest = nearer_b.any(1) & (~nearer_b).any(1)  # (N,): samples in both basins, however inaccurate
     return {"coverage": float((rmsd.min(1) <= hit).all(-1)[intr].mean()), "flip_rate": float(np.mean(flips)),
+            "basin_coverage": float(both_nearest[intr].mean()),
             "dominance_bias": float(1 - nearer_b[truth_b].mean()),
             "state_acc": float(np.mean(vote_b[~intr] == truth_b[~intr])), "best_rmsd": float(best.mean())}
 
@@ -694,8 +685,8 @@ def _plots(folder: Path, rmsds: dict, mech: np.ndarray, truth: np.ndarray, metri
     fig.tight_layout()
     fig.savefig(folder / "rmsd_to_states.png", dpi=110)
     plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 3.3))
-    keys = ("coverage", "flip_rate", "dominance_bias", "state_acc")
+    fig, ax = plt.subplots(figsize=(7, 3.3))
+    keys = ("coverage", "basin_coverage", "flip_rate", "dominance_bias", "state_acc")
     for i, name in enumerate(SYSTEMS):
         prefix = "method/" if name == "debiased" else f"baseline/{name}/"
         ax.bar(np.arange(len(keys)) + 0.2 * i, [metrics[prefix + key] for key in keys], 0.2, label=name)

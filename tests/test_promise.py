@@ -21,7 +21,7 @@ def _seq(n: int, h: int, mech: str, seed: int = 0) -> str:
 
 def test_fold_states_are_two_rigid_domains_apart_by_a_hinge():
     seq = _seq(20, 10, "intrinsic")
-    a, b = pm.fold_states(seq, (90.0, 150.0))
+    a, b = pm.fold_states(seq, (80.0, 140.0))
     assert np.allclose(a.mean(0), 0) and np.allclose(b.mean(0), 0)
     bonds = np.linalg.norm(np.diff(a, axis=0), axis=1)
     assert np.allclose(bonds, bonds[0]) and 3.7 < bonds[0] < 3.9  # Calpha-Calpha virtual bond
@@ -48,7 +48,7 @@ def test_kabsch_rmsd_rigid_motion_mirror_and_scipy_reference():
 
 
 def test_classical_mds_recovers_the_structure():
-    a, _ = pm.fold_states(_seq(16, 8, "ligand"), (90.0, 150.0))
+    a, _ = pm.fold_states(_seq(16, 8, "ligand"), (80.0, 140.0))
     dist = np.linalg.norm(a[:, None] - a[None], axis=-1)
     assert pm.kabsch_rmsd(pm.classical_mds(dist), a) < 1e-6
 
@@ -74,6 +74,7 @@ def test_scheme_metrics_known_values():
     assert m["dominance_bias"] == 0.5
     assert m["flip_rate"] == 0.0  # the B-votes are 1 of 2: not a majority, so the state does not flip
     assert m["state_acc"] == 0.5
+    assert m["basin_coverage"] == 1.0
     m = pm.scheme_metrics(rmsd, mech, truth, target, hit=1.2)
     assert m["coverage"] == 0.0
 
@@ -145,15 +146,40 @@ def test_nearest_reference_prefers_identity_and_equal_length():
     assert pm.nearest_reference(seqs, "ACDEFGHIKLMW") == "z"
 
 
+def write_mmcif_fixture(folder, n_targets: int = 2, seed: int = 0) -> None:
+    """A tiny curated set in the loader's format: synthetic hinge proteins as mmCIF, state B with its context."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    inverse = {v: k for k, v in pm.THREE.items()}
+    index = ["target_id,mechanism,state,file,chain,split"]
+    for k in range(n_targets):
+        mech = pm.MECHANISMS[1 + k % 2]
+        seq = "".join(rng.choice(list(pm.BODY), 10)) + pm.HINGE[mech] + "".join(rng.choice(list(pm.BODY), 9))
+        for state, xyz in zip("AB", pm.fold_states(seq, (80.0, 140.0)), strict=True):
+            atoms = [("ATOM", "CA", inverse[a], "A", x) for a, x in zip(seq, xyz, strict=True)]
+            if state == "B":
+                atoms += [("HETATM", "C1", "LIG", "B", xyz[0] + 5.0)] if mech == "ligand" else \
+                    [("ATOM", "CA", inverse[a], "C", xyz[i] + 9.0) for i, a in enumerate("GAVLKE")]
+            atoms.append(("HETATM", "O", "HOH", "W", np.zeros(3)))
+            body = "\n".join(f"{g} {i + 1} {a} {c} {ch} {x:.3f} {y:.3f} {z:.3f} 1"
+                             for i, (g, a, c, ch, (x, y, z)) in enumerate(atoms))
+            header = ["data_fixture", "#", "loop_"] + [f"_atom_site.{c}" for c in (
+                "group_PDB", "id", "label_atom_id", "label_comp_id", "auth_asym_id", "Cartn_x", "Cartn_y", "Cartn_z",
+                "pdbx_PDB_model_num")]
+            (folder / f"t{k}_{state}.cif").write_text("\n".join(header) + "\n" + body + "\n#\n")
+            index.append(f"t{k},{mech},{state},t{k}_{state}.cif,A,{'test' if k == 0 else 'train'}")
+    (folder / "index.csv").write_text("\n".join(index) + "\n")
+
+
 def test_mmcif_loader_on_fixture(tmp_path):
-    pm.write_mmcif_fixture(tmp_path, n_targets=2)
+    write_mmcif_fixture(tmp_path, n_targets=2)
     chains = pm.read_mmcif_ca(tmp_path / "t0_B.cif")
     assert set(chains) == {"A", "*"}  # ligand kept, water dropped
     targets, coords = pm.load_mmcif_set(tmp_path)
     assert targets["context_tokens"] == ["", "*", "", "+GAVLKE"]
     assert targets["split"] == ["test", "test", "train", "train"]
     seq = targets["sequence"][0]
-    a, b = pm.fold_states(seq, (90.0, 150.0))
+    a, b = pm.fold_states(seq, (80.0, 140.0))
     xyz = np.stack([np.asarray(coords[k]) for k in "xyz"], 1)
     assert np.allclose(xyz[: len(seq)], a, atol=2e-3) and np.allclose(xyz[len(seq) : 2 * len(seq)], b, atol=2e-3)
     pm.prepare(pm.Params(source="mmcif", mmcif_dir=str(tmp_path)), tmp_path)
