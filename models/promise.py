@@ -35,15 +35,18 @@ Deviations from the paper (choices the abstract left open):
 - (a) and (b) train in one engine in lock-step (summed losses, same batches); (c) in a second engine.
 - The hinge bends about the hinge residue's radial axis; with the 80-140 degree range the states lie 4-6 A apart at
   16 residues and 6-9 A at 24 (the spec's 4-8 A band, stretched by the longer chains).
+- The phenomenon's knobs: kappa = 0.5 with rho_ctx = 1 removes the exposure bias (both states equally shown, the
+  context always honoured), which should remove (a)'s state loss and (c)'s advantage.
 - `basin_coverage` (not in the claim) relaxes coverage to "some sample nearer each state", to separate state
   selection from accuracy.
 
-Outcome at smoke scale (one seed, 200 steps per model): no system hits both states within 2 A, because no decoder
-is accurate enough (best-of-K RMSD to the true state 3.1-3.4 A for (b)/(c), 4.4 A for (a), 4.2 A for the nearest
-training structure; 300 steps at a higher learning rate gave the same), so findings 1 and 4 do not hold (coverage
-0 = 0). Findings 2 and 3 hold: (a) never flips with context, and a linear probe reads the context-set state from
-its trunk at ~0.8 while its output is right at chance (0.5). Debiasing shows in state selection rather than in hits:
-dominance bias P(nearer A | truth B) falls from ~0.8 for (b) to ~0.6-0.7 for (c) and the flip rate rises.
+Outcome at smoke scale (`paperline run promise`, one seed, 200 steps per model): no system hits both states within
+2 A, because no decoder is accurate enough (best-of-K RMSD to the true state 3.1 A for (b) and (c), 4.3 A for (a),
+4.2 A for the nearest training structure; an in-process trial with 300 steps at 2.5x the learning rate gave the
+same), so findings 1 and 4 do not hold (coverage 0 = 0). Findings 2 and 3 hold: (a) never flips with the context
+(0.0), and a linear probe reads the context-set state from its trunk at 0.80 while its output is at chance (0.50).
+The relaxed basin coverage separates the decoders: (a) 0.0, (b) 1.0, (c) 0.67; the state-selection numbers of (b)
+and (c) (dominance bias, flip rate) swapped order between runs (2 ranks vs 1), so one seed does not rank them.
 """
 
 from __future__ import annotations
