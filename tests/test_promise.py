@@ -1,0 +1,186 @@
+"""ProMiSE's scheme on tiny inputs: the world's folding rule and exposure, the RMSD/MDS/CKA tools, the metrics,
+the denoiser's E(3) equivariance and the mmCIF loader on a fixture."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.spatial.distance import pdist
+from scipy.spatial.transform import Rotation
+
+from models import promise as pm
+from models.common.tables import read_table
+
+
+def _seq(n: int, h: int, mech: str, seed: int = 0) -> str:
+    s = list(np.random.default_rng(seed).choice(list(pm.BODY), n))
+    s[h] = pm.HINGE[mech]
+    return "".join(s)
+
+
+def test_fold_states_are_two_rigid_domains_apart_by_a_hinge():
+    seq = _seq(20, 10, "intrinsic")
+    a, b = pm.fold_states(seq, (80.0, 140.0))
+    assert np.allclose(a.mean(0), 0) and np.allclose(b.mean(0), 0)
+    bonds = np.linalg.norm(np.diff(a, axis=0), axis=1)
+    assert np.allclose(bonds, bonds[0]) and 3.7 < bonds[0] < 3.9  # Calpha-Calpha virtual bond
+    for dom in (slice(0, 11), slice(11, 20)):  # each domain rigid: same internal distances in both states
+        assert np.allclose(pdist(a[dom]), pdist(b[dom]))
+    assert 3.0 < pm.kabsch_rmsd(a, b) < 10.0
+    assert pm.fold_states(seq, (90.0, 90.0))[1] is not None  # a degenerate range still folds
+
+
+def test_kabsch_rmsd_rigid_motion_mirror_and_scipy_reference():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((12, 3))
+    rot = Rotation.random(random_state=1)
+    moved = rot.apply(x) + np.array([1.0, -2.0, 3.0])
+    assert pm.kabsch_rmsd(moved, x) < 1e-6
+    mirror = x * np.array([1, 1, -1])
+    assert pm.kabsch_rmsd(mirror, x, reflection=True) < 1e-6
+    assert pm.kabsch_rmsd(mirror, x, reflection=False) > 0.1
+    y = x + 0.3 * rng.standard_normal(x.shape)
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    best, _ = Rotation.align_vectors(xc, yc)
+    ref = np.sqrt(((best.apply(yc) - xc) ** 2).sum(1).mean())
+    assert np.isclose(pm.kabsch_rmsd(y, x, reflection=False), ref, atol=1e-6)
+
+
+def test_classical_mds_recovers_the_structure():
+    a, _ = pm.fold_states(_seq(16, 8, "ligand"), (80.0, 140.0))
+    dist = np.linalg.norm(a[:, None] - a[None], axis=-1)
+    assert pm.kabsch_rmsd(pm.classical_mds(dist), a) < 1e-6
+
+
+def test_balanced_weights_equalise_states_within_groups():
+    groups = np.array(["g1"] * 10 + ["g2"] * 4)
+    states = np.array(list("AAAAAAAABB") + list("AAAA"))
+    w = pm.balanced_weights(groups, states)
+    assert np.isclose(w[:8].sum(), w[8:10].sum()) and np.isclose(w[:10].sum(), 10)
+    assert np.allclose(w[10:], 1.0)  # a single observed state is left alone
+
+
+def test_scheme_metrics_known_values():
+    # 1 intrinsic target (two samples: one hits A, one hits B) and 1 induced target (without / with context)
+    rmsd = np.array([[[1.0, 6.0], [6.0, 1.5]],   # intrinsic: both states hit
+                     [[1.0, 5.0], [1.2, 5.0]],   # induced, truth A: both samples nearer A
+                     [[1.0, 5.0], [6.0, 1.0]]])  # induced, truth B: one sample nearer A
+    mech = np.array(["intrinsic", "ligand", "ligand"])
+    truth = np.array(["AB", "A", "B"])
+    target = np.array(["i0", "l0", "l0"])
+    m = pm.scheme_metrics(rmsd, mech, truth, target, hit=2.0)
+    assert m["coverage"] == 1.0
+    assert m["dominance_bias"] == 0.5
+    assert m["flip_rate"] == 0.0  # the B-votes are 1 of 2: not a majority, so the state does not flip
+    assert m["state_acc"] == 0.5
+    assert m["basin_coverage"] == 1.0
+    m = pm.scheme_metrics(rmsd, mech, truth, target, hit=1.2)
+    assert m["coverage"] == 0.0
+
+
+def test_linear_cka_invariances():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((40, 6))
+    q, _ = np.linalg.qr(rng.standard_normal((6, 6)))
+    assert np.isclose(pm.linear_cka(x, 3.0 * x @ q + 1.0), 1.0)
+    assert pm.linear_cka(x, rng.standard_normal((40, 6))) < 0.6
+
+
+def test_denoiser_is_e3_equivariant_and_centre_free():
+    torch.manual_seed(0)
+    p = pm.Params(d_s=8, d_z=8, hidden=16, egnn_layers=2)
+    dec = pm.Denoiser(p.d_s, p.d_z, p.hidden, p.egnn_layers)
+    b, n = 2, 7
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[1, 5:] = False
+    x = pm.centred_noise((b, n, 3), mask)
+    s, z, t = torch.randn(b, n, p.d_s), torch.randn(b, n, n, p.d_z), torch.tensor([0.3, 0.8])
+    eps = dec(x, t, s, z, dec.pair_bias(z), mask)
+    rot = torch.from_numpy(Rotation.random(random_state=2).as_matrix()).float()
+    rot = rot * torch.tensor([1.0, 1.0, -1.0])  # an improper rotation: EGNN is equivariant to reflections too
+    eps_rot = dec(x @ rot.T, t, s, z, dec.pair_bias(z), mask)
+    assert torch.allclose(eps_rot, eps @ rot.T, atol=1e-5)
+    assert torch.allclose(eps.sum(1), torch.zeros(b, 3), atol=1e-5) and (eps[1, 5:] == 0).all()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    p = pm.Params(n_targets=60, n_test=2, length=(12, 14), examples=20)
+    out = tmp_path_factory.mktemp("promise")
+    pm.prepare(p, out)
+    return p, read_table(out / "targets.parquet"), read_table(out / "coords.parquet")
+
+
+def test_training_exposure_follows_kappa_and_rho(world):
+    p, t, _ = world
+    train = t["split"] == "train"
+    has_ctx = np.array([bool(c) for c in t["context_tokens"]])
+    intr = train & (t["mechanism"] == "intrinsic")
+    assert abs((t["state"][intr] == "A").mean() - p.kappa) < 0.06
+    induced = train & (t["mechanism"] != "intrinsic")
+    assert (t["state"][induced & ~has_ctx] == "A").all()
+    assert abs((t["state"][induced & has_ctx] == "B").mean() - p.rho_ctx) < 0.08
+    test = ~train & (t["mechanism"] != "intrinsic")  # evaluation conditions: the context always sets the state
+    assert ((t["state"][test] == "B") == has_ctx[test]).all()
+    ligand = t["context_tokens"][(t["mechanism"] == "ligand") & has_ctx]
+    assert set(ligand) == {"*"}
+    partner = t["context_tokens"][(t["mechanism"] == "protein") & has_ctx]
+    assert all(c.startswith("+") and len(c) == pm.CTX_LEN for c in partner)
+    test_ids = set(t["target_id"][~train])
+    assert not test_ids & set(t["target_id"][train])  # test sequences are unseen
+    assert len(test_ids) == 3 * p.n_test
+
+
+def test_coords_match_the_folding_rule(world):
+    p, t, c = world
+    tid, seq = t["target_id"][0], t["sequence"][0]
+    a = np.stack([c[k][(c["target_id"] == tid) & (c["state"] == "A")] for k in "xyz"], 1)
+    assert np.allclose(a, pm.fold_states(seq, p.hinge_angle)[0])
+
+
+def test_nearest_reference_prefers_identity_and_equal_length():
+    seqs = {"x": "ACDEFGHIKL", "y": "ACDEFGHIKA", "z": "ACDEFGHIKLMN"}
+    assert pm.nearest_reference(seqs, "ACDEFGHIKL") == "x"
+    assert pm.nearest_reference(seqs, "ACDEFGHIKW") in ("x", "y")
+    assert pm.nearest_reference(seqs, "ACDEFGHIKLMW") == "z"
+
+
+def write_mmcif_fixture(folder, n_targets: int = 2, seed: int = 0) -> None:
+    """A tiny curated set in the loader's format: synthetic hinge proteins as mmCIF, state B with its context."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    inverse = {v: k for k, v in pm.THREE.items()}
+    index = ["target_id,mechanism,state,file,chain,split"]
+    for k in range(n_targets):
+        mech = pm.MECHANISMS[1 + k % 2]
+        seq = "".join(rng.choice(list(pm.BODY), 10)) + pm.HINGE[mech] + "".join(rng.choice(list(pm.BODY), 9))
+        for state, xyz in zip("AB", pm.fold_states(seq, (80.0, 140.0)), strict=True):
+            atoms = [("ATOM", "CA", inverse[a], "A", x) for a, x in zip(seq, xyz, strict=True)]
+            if state == "B":
+                atoms += [("HETATM", "C1", "LIG", "B", xyz[0] + 5.0)] if mech == "ligand" else \
+                    [("ATOM", "CA", inverse[a], "C", xyz[i] + 9.0) for i, a in enumerate("GAVLKE")]
+            atoms.append(("HETATM", "O", "HOH", "W", np.zeros(3)))
+            body = "\n".join(f"{g} {i + 1} {a} {c} {ch} {x:.3f} {y:.3f} {z:.3f} 1"
+                             for i, (g, a, c, ch, (x, y, z)) in enumerate(atoms))
+            header = ["data_fixture", "#", "loop_"] + [f"_atom_site.{c}" for c in (
+                "group_PDB", "id", "label_atom_id", "label_comp_id", "auth_asym_id", "Cartn_x", "Cartn_y", "Cartn_z",
+                "pdbx_PDB_model_num")]
+            (folder / f"t{k}_{state}.cif").write_text("\n".join(header) + "\n" + body + "\n#\n")
+            index.append(f"t{k},{mech},{state},t{k}_{state}.cif,A,{'test' if k == 0 else 'train'}")
+    (folder / "index.csv").write_text("\n".join(index) + "\n")
+
+
+def test_mmcif_loader_on_fixture(tmp_path):
+    write_mmcif_fixture(tmp_path, n_targets=2)
+    chains = pm.read_mmcif_ca(tmp_path / "t0_B.cif")
+    assert set(chains) == {"A", "*"}  # ligand kept, water dropped
+    targets, coords = pm.load_mmcif_set(tmp_path)
+    assert targets["context_tokens"] == ["", "*", "", "+GAVLKE"]
+    assert targets["split"] == ["test", "test", "train", "train"]
+    seq = targets["sequence"][0]
+    a, b = pm.fold_states(seq, (80.0, 140.0))
+    xyz = np.stack([np.asarray(coords[k]) for k in "xyz"], 1)
+    assert np.allclose(xyz[: len(seq)], a, atol=2e-3) and np.allclose(xyz[len(seq) : 2 * len(seq)], b, atol=2e-3)
+    pm.prepare(pm.Params(source="mmcif", mmcif_dir=str(tmp_path)), tmp_path)
+    assert (tmp_path / "targets.parquet").exists()
