@@ -65,6 +65,11 @@ def test_ddpm_elbo_weights_match_ho_et_al_and_ddim_is_exact_for_a_point_mass():
     x0 = torch.randn(3, 1, 4, 4)
     tt, eps = torch.tensor([0, 70, 199]), torch.randn(3, 1, 4, 4)
     assert torch.allclose(dm.predict_x0(dm.q_sample(x0, tt, eps, ab), tt, eps, ab), x0, atol=1e-4)
+    points = torch.randn(3, 16, 3)  # samples of any rank: point sets (B, N, 3), flat vectors (B, D)
+    for x in (points, points.flatten(1)):
+        noise = torch.randn_like(x)
+        assert torch.allclose(dm.predict_x0(dm.q_sample(x, tt, noise, ab), tt, noise, ab), x, atol=1e-4)
+        assert torch.allclose(dm.q_sample(x, tt, noise, ab)[1], ab[70].sqrt() * x[1] + (1 - ab[70]).sqrt() * noise[1])
 
 
 def test_unet_shapes_and_features():

@@ -179,13 +179,18 @@ def ddpm_scheduler(num_steps: int, schedule: str = "linear"):
     return DDPMScheduler(num_train_timesteps=num_steps, beta_schedule=name, clip_sample=False)
 
 
+def _per_sample(values: torch.Tensor, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """values[t] shaped (B, 1, ..., 1) to broadcast over samples of any rank (images, point sets, sequences)."""
+    return values.to(like.device)[t].reshape(-1, *([1] * (like.dim() - 1)))
+
+
 def q_sample(x0: torch.Tensor, t: torch.Tensor, eps: torch.Tensor, alphas_cumprod: torch.Tensor) -> torch.Tensor:
-    ab = alphas_cumprod.to(x0.device)[t].reshape(-1, 1, 1, 1)  # (B, 1, 1, 1)
+    ab = _per_sample(alphas_cumprod, t, x0)  # (B, 1, ..., 1)
     return ab.sqrt() * x0 + (1 - ab).sqrt() * eps
 
 
 def predict_x0(x_t: torch.Tensor, t: torch.Tensor, eps_hat: torch.Tensor, alphas_cumprod: torch.Tensor):
-    ab = alphas_cumprod.to(x_t.device)[t].reshape(-1, 1, 1, 1)
+    ab = _per_sample(alphas_cumprod, t, x_t)
     return (x_t - (1 - ab).sqrt() * eps_hat) / ab.sqrt()
 
 
