@@ -211,7 +211,10 @@ def ddpm_elbo_weights(alphas_cumprod: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def ddim_sample(eps_model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
                 num_train_steps: int, num_inference_steps: int, schedule: str = "linear") -> torch.Tensor:
-    """Deterministic DDIM (eta = 0) through diffusers' DDIMScheduler. eps_model(x_t, t (B,)) -> eps_hat."""
+    """Deterministic DDIM (eta = 0) through diffusers' DDIMScheduler. eps_model(x_t, t (B,)) -> eps_hat.
+
+    With "cosine" and few training steps, abar at the last (trailing) timestep is ~1e-6 and the first step divides
+    eps's error by sqrt(abar): unclipped samples explode (seen at 100 steps). Use "linear", or >= 1000 steps."""
     from diffusers import DDIMScheduler
 
     name = {"linear": "linear", "cosine": "squaredcos_cap_v2"}[schedule]
