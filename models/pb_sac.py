@@ -44,8 +44,8 @@ laxness of 0.9 x a negative return. At the earlier 2,500 steps (2,000 updates): 
 0.82), post-hoc 38.8, i.i.d. 0.87, returns 0.16 vs SAC 0.23 (misses 0.9 x SAC); same verdict. Why: with n_eff of a few
 units the complexity term alone is >= 0.7, and in training the buffer's t_mix (180-280 under a changing policy)
 puts n_eff near 1, so the bound's gradient holds the posterior at its prior (KL 0.1) and critic 1 barely fits
-(loss 0.82). A non-vacuous Markov certificate needs chains about two orders of magnitude longer; at 2,500 steps
-neither agent has converged (the spec's honest limit).
+(loss 0.82). A non-vacuous Markov certificate needs chains about two orders of magnitude longer; at 1,400 (or
+2,500) steps neither agent has converged (the spec's honest limit).
 """
 
 from __future__ import annotations
