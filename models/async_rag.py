@@ -526,17 +526,8 @@ def lead_times(score: np.ndarray, entropy: np.ndarray, item: np.ndarray, pos: np
     return float(np.mean(leads)) if leads else 0.0
 
 
-def evaluate(ctx) -> dict[str, float]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one request at a time: tiny per-token forwards, where thread hand-offs dominate
-    try:
-        return _evaluate(ctx)
-    finally:
-        torch.set_num_threads(threads)
-
-
 @torch.no_grad()
-def _evaluate(ctx) -> dict[str, float]:
+def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     d = _load(ctx.data_dir)
     lm, heads = _load_models(ctx, d)

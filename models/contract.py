@@ -149,4 +149,6 @@ class Paper:
     primary: tuple[str, Literal["max", "min"]]  # the one metric that summarises the method, and its direction
     claim: Claim
     learns: bool = True  # False only where the spec says the paper has nothing to learn (train() then only computes)
+    # torch threads while evaluate runs (models/common/threads.py says why one); None keeps the process default
+    eval_threads: int | None = 1
     notes: dict[str, str] = field(default_factory=dict)

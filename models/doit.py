@@ -581,15 +581,6 @@ def evaluate_toy(p: Params, net: EpsNet) -> dict[str, np.ndarray | float]:
 
 
 def evaluate(ctx) -> dict[str, float]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # batches of a few rows: thread hand-offs cost more than the arithmetic
-    try:
-        return _evaluate(ctx)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     saved = torch.load(ctx.out_dir / "model.pt")
     model = build(p, saved["dims"])

@@ -528,15 +528,6 @@ def _bootstrap(x: np.ndarray, seed: int) -> tuple[float, float]:
 
 
 def evaluate(ctx) -> dict[str, float]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small batches: thread hand-offs cost more than the arithmetic
-    try:
-        return _evaluate(ctx)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     model = build(p)
     model.load_state_dict(torch.load(ctx.out_dir / "model.pt"))

@@ -359,15 +359,6 @@ def prefix(arm: str) -> str:
 
 
 def evaluate(ctx) -> dict[str, float]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 16x16 grids in batches of 32: thread hand-offs cost more than the arithmetic
-    try:
-        return _evaluate(ctx)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     d = _load(p, ctx.data_dir)
     model = Arms(p, d["stats"])

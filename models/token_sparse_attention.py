@@ -44,6 +44,7 @@ from torch import nn
 
 from kernels import token_sparse as T
 from models.common.tables import read_table, write_table
+from models.common.threads import available_cpus, torch_threads
 from models.contract import Claim, Compare, Paper, PaperParams
 
 BOS, ASSIGN, QUERY = 0, 1, 2
@@ -270,15 +271,6 @@ def attention_latency(length: int, keep_ratio: float, p: Params, repeats: int) -
 
 
 def evaluate(ctx) -> dict[str, float]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small batches, one sequence at a time: thread hand-offs cost more than the arithmetic
-    try:
-        return _evaluate(ctx, threads)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _evaluate(ctx, threads: int) -> dict[str, float]:
     p: Params = ctx.params
     model = LM(p)
     model.load_state_dict(torch.load(ctx.out_dir / "model.pt"))
@@ -308,9 +300,9 @@ def _evaluate(ctx, threads: int) -> dict[str, float]:
     key = f"{best['kept']:.6f}"
     timings = json.loads(cache.read_text()) if cache.exists() else {}
     if key not in timings:
-        torch.set_num_threads(threads)  # the latency probe times long sequences with the process's threads
-        timings[key] = {str(n): attention_latency(n, best["kept"], p, p.latency_repeats) for n in p.latency_lengths}
-        torch.set_num_threads(1)
+        with torch_threads(available_cpus()):  # the latency probe times long sequences on every core
+            timings[key] = {str(n): attention_latency(n, best["kept"], p, p.latency_repeats)
+                            for n in p.latency_lengths}
         cache.write_text(json.dumps(timings))
     for length in p.latency_lengths:
         d_t, s_t = timings[key][str(length)]

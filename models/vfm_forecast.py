@@ -461,15 +461,6 @@ def rollout(net: Forecaster, ctx0: torch.Tensor, valid0: torch.Tensor, horizon: 
 
 
 def evaluate(ctx) -> dict[str, float]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # batches of a few contexts: thread hand-offs cost more than the arithmetic
-    try:
-        return _evaluate(ctx)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     d = load_videos(ctx.data_dir)
     state = torch.load(ctx.out_dir / "model.pt", weights_only=False)

@@ -404,15 +404,6 @@ def _tv(provs: list[Provider], contexts: list[str]) -> tuple[float, float]:
 
 
 def evaluate(ctx) -> dict[str, float]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # batches of a few prompts, one character at a time: thread hand-offs cost more
-    try:
-        return _evaluate(ctx)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     m: dict[str, float] = {"detail/paper/z_threshold": 4.0, "detail/paper/tpr_bound": 0.5,
                            "detail/paper/quality_gain": 0.275, "detail/paper/speedup": 6.0}

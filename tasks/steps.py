@@ -15,6 +15,7 @@ from pathlib import Path
 
 from prefect import task
 
+from models.common.threads import torch_threads
 from models.contract import ClaimResult, Paper, PaperParams
 from tasks import data, tracking
 from tasks.context import EvalContext
@@ -56,7 +57,8 @@ def evaluate(paper: Paper, params: PaperParams, data_dir: Path, out_dir: Path,
     plots_dir.mkdir(parents=True, exist_ok=True)
     ctx = EvalContext(params=params, data_dir=data_dir, out_dir=out_dir, plots_dir=plots_dir,
                       label=f"{paper.id} evaluate")
-    metrics = {k: float(v) for k, v in paper.evaluate(ctx).items()}
+    with torch_threads(paper.eval_threads):
+        metrics = {k: float(v) for k, v in paper.evaluate(ctx).items()}
     bad = [k for k, v in metrics.items() if not math.isfinite(v)]
     if bad:
         raise ValueError(f"{paper.id}.evaluate returned non-finite metrics: {bad}")
