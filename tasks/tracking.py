@@ -10,8 +10,10 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import os
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -117,33 +119,45 @@ def find_resumable(exp_id: str, key: str):
     return runs[0] if runs else None
 
 
-def _git(*args: str) -> str:
+def _git(*args: str, env: dict[str, str] | None = None) -> str:
     out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
-                         timeout=10, check=True)
+                         timeout=30, check=True, env=env)
     return out.stdout.strip()
 
 
 def git_commit() -> str:
     """HEAD of the code that runs, `-dirty` when tracked files differ from it (dvc.lock and variants are outputs)."""
     try:
-        dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!dvc.lock", ":!variants")
+        dirty = _git("status", "--porcelain", "--untracked-files=normal", "--", ".", ":!dvc.lock", ":!variants")
         return _git("rev-parse", "HEAD") + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
 def pin_code(run_id: str) -> str:
-    """A commit holding exactly the tracked code this run used, kept alive by `refs/paperline/<run id>`: HEAD when
-    the tree is clean, else a snapshot of the working tree (`git stash create`, which changes nothing checked out).
-    `paperline reproduce` checks it out. Untracked files are not in it."""
+    """A commit holding exactly the code this run used, kept alive by `refs/paperline/<run id>`: HEAD when the tree
+    is clean, else a snapshot of the working tree, new files included (ignored outputs are not code).
+    `paperline reproduce` checks it out."""
     try:
         commit = git_commit()
-        snapshot = _git("stash", "create") if commit.endswith("-dirty") else commit
-        snapshot = snapshot or commit.removesuffix("-dirty")
+        snapshot = _snapshot() if commit.endswith("-dirty") else commit
         _git("update-ref", f"refs/paperline/{run_id}", snapshot)
         return snapshot
     except (OSError, subprocess.SubprocessError):
         return ""
+
+
+def _snapshot() -> str:
+    """A commit of the working tree on top of HEAD, built in a scratch index: nothing checked out or staged changes
+    (`git stash create` would leave out files not yet added, e.g. a new shared module the run imported)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"GIT_AUTHOR_NAME": "paperline", "GIT_AUTHOR_EMAIL": "paperline@localhost",
+               "GIT_COMMITTER_NAME": "paperline", "GIT_COMMITTER_EMAIL": "paperline@localhost",
+               **os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        _git("read-tree", "HEAD", env=env)
+        _git("add", "-A", "--", ".", ":!variants", env=env)
+        tree = _git("write-tree", env=env)
+        return _git("commit-tree", tree, "-p", "HEAD", "-m", "paperline: working tree of a run", env=env)
 
 
 def flatten(params: Mapping, prefix: str = "") -> dict[str, str]:

@@ -62,3 +62,24 @@ def test_comparison_reports_every_difference():
     assert not differs.matches and differs.mismatched == ["m/x", "m/y"]
     assert "NOT reproduced" in differs.table()
     assert not Comparison("a", "b", ("h", "g"), [("m/x", 0.5, 0.5)]).matches  # other data: not a reproduction
+
+
+def test_snapshot_of_a_dirty_tree_holds_new_files_and_leaves_the_index_alone():
+    from tasks import tracking
+
+    probe = PROJECT / "models" / "common" / "_snapshot_probe.py"  # a new module a run could import
+    index = PROJECT / ".git" / "index"
+    before = index.read_bytes() if index.is_file() else None
+    probe.write_text("VALUE = 1\n")
+    try:
+        commit = tracking._snapshot()
+        shown = subprocess.run(["git", "show", f"{commit}:models/common/_snapshot_probe.py"], cwd=PROJECT,
+                               capture_output=True, text=True, check=True).stdout
+        assert shown == "VALUE = 1\n"
+        parent = subprocess.run(["git", "rev-parse", f"{commit}^"], cwd=PROJECT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        assert parent == subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT, capture_output=True, text=True,
+                                        check=True).stdout.strip()
+        assert (index.read_bytes() if index.is_file() else None) == before  # nothing staged
+    finally:
+        probe.unlink()
