@@ -57,6 +57,7 @@ from torch import nn
 
 from models.common import graphs as G
 from models.common.lm import info_nce
+from models.common.similarity import linear_cka
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
 
@@ -245,11 +246,6 @@ def cost_per_step(kind: str, p: Params) -> float:
     if kind == "cd":
         return 3.0 * p.langevin_steps + 3.0 * 2
     return 3.0
-
-
-def linear_cka(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a - a.mean(0), b - b.mean(0)
-    return float(np.linalg.norm(a.T @ b) ** 2 / (np.linalg.norm(a.T @ a) * np.linalg.norm(b.T @ b)))
 
 
 # ---- training ----------------------------------------------------------------------------------------------

@@ -67,7 +67,8 @@ import torch.nn.functional as F  # noqa: E402
 from pydantic import Field  # noqa: E402
 from torch import nn  # noqa: E402
 
-from models.common.diffusion import ddim_sample, ddpm_scheduler  # noqa: E402
+from models.common.diffusion import ddim_sample, ddpm_scheduler, q_sample  # noqa: E402
+from models.common.similarity import linear_cka  # noqa: E402
 from models.common.tables import read_table, write_table  # noqa: E402
 from models.contract import Claim, Compare, Paper, PaperParams  # noqa: E402
 
@@ -379,9 +380,9 @@ def centred_noise(shape: tuple, mask: torch.Tensor, generator: torch.Generator |
 def diffusion_loss(dec: Denoiser, x0: torch.Tensor, s, z, mask, weight, alphas_cumprod) -> torch.Tensor:
     """Weighted eps-MSE at uniform timesteps (torch's global generator is seeded per step by ctx.fit)."""
     t = torch.randint(0, len(alphas_cumprod), (x0.shape[0],))
-    ab = alphas_cumprod[t].to(x0)[:, None, None]  # (B, 1, 1)
     eps = centred_noise(x0.shape, mask).to(x0)
-    eps_hat = dec(ab.sqrt() * x0 + (1 - ab).sqrt() * eps, t.to(x0) / len(alphas_cumprod), s, z, dec.pair_bias(z), mask)
+    x_t = q_sample(x0, t, eps, alphas_cumprod.to(x0))  # (B, L, 3)
+    eps_hat = dec(x_t, t.to(x0) / len(alphas_cumprod), s, z, dec.pair_bias(z), mask)
     per = ((eps_hat - eps) ** 2).sum((1, 2)) / (3 * mask.sum(1))  # (B,)
     return (per * weight).sum() / weight.sum()
 
@@ -534,11 +535,6 @@ def kabsch_rmsd(p: np.ndarray, q: np.ndarray, reflection: bool = True) -> np.nda
         sv[..., -1] *= np.sign(np.linalg.det(u @ vt))
     msd = ((p**2).sum((-1, -2)) + (q**2).sum((-1, -2)) - 2 * sv.sum(-1)) / p.shape[-2]
     return np.sqrt(np.clip(msd, 0, None))
-
-
-def linear_cka(x: np.ndarray, y: np.ndarray) -> float:
-    x, y = x - x.mean(0), y - y.mean(0)
-    return float(np.linalg.norm(y.T @ x) ** 2 / (np.linalg.norm(x.T @ x) * np.linalg.norm(y.T @ y)))
 
 
 def probe_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, test_y: np.ndarray) -> float:
