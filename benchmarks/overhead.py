@@ -27,7 +27,7 @@ OUT = ROOT / "benchmarks" / "results" / "overhead.json"
 PAPERLINE = [sys.executable, "-m", "flows.cli"]
 
 BARE = """
-import sys, tempfile
+import json, sys, tempfile, time
 from pathlib import Path
 from models import registry
 from tasks import settings
@@ -38,16 +38,21 @@ params = registry.resolve(pid, "smoke", {"ranks": 1}, settings.params_file())
 with tempfile.TemporaryDirectory() as tmp:
     data, out = Path(tmp) / "data", Path(tmp) / "out"
     data.mkdir()
+    t0 = time.perf_counter()
     registry.get(pid).prepare(params, data)
+    t1 = time.perf_counter()
     train_in_process(pid, params, data, out)
+    t2 = time.perf_counter()
     evaluate(registry.get(pid), params, data, out, run_id=None)
+    t3 = time.perf_counter()
+print(json.dumps({"time/prepare_s": t1 - t0, "time/train_s": t2 - t1, "time/evaluate_s": t3 - t2}))
 """
 
 
-def timed(command: list[str]) -> float:
+def timed(command: list[str]) -> tuple[float, str]:
     start = time.perf_counter()
-    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
-    return time.perf_counter() - start
+    done = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
+    return time.perf_counter() - start, done.stdout
 
 
 def stage_times(paper: str, ranks: int) -> dict[str, float]:
@@ -62,25 +67,38 @@ def stage_times(paper: str, ranks: int) -> dict[str, float]:
 
 def main(paper: str, repeats: int) -> None:
     samples: dict[str, list[float]] = {"bare_s": [], "pipeline_1rank_s": [], "cached_s": [], "pipeline_2ranks_s": []}
-    stages: dict[str, list[dict]] = {"1": [], "2": []}
+    stages: dict[str, list[dict]] = {"bare": [], "1": [], "2": []}
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
         script.write(BARE)
     for i in range(repeats):
-        samples["bare_s"].append(timed([sys.executable, script.name, paper]))
-        samples["pipeline_1rank_s"].append(timed([*PAPERLINE, "run", paper, "--set", "ranks=1", "--force"]))
-        stages["1"].append(stage_times(paper, 1))
-        samples["cached_s"].append(timed([*PAPERLINE, "run", paper, "--set", "ranks=1"]))
-        samples["pipeline_2ranks_s"].append(timed([*PAPERLINE, "run", paper, "--set", "ranks=2", "--force"]))
-        stages["2"].append(stage_times(paper, 2))
+        wall, out = timed([sys.executable, script.name, paper])
+        samples["bare_s"].append(wall)
+        stages["bare"].append(json.loads(out.strip().splitlines()[-1]))
+        for ranks in (1, 2):
+            wall, _ = timed([*PAPERLINE, "run", paper, "--set", f"ranks={ranks}", "--force"])
+            samples[f"pipeline_{ranks}rank{'s' if ranks > 1 else ''}_s"].append(wall)
+            stages[str(ranks)].append(stage_times(paper, ranks))
+            if ranks == 1:
+                samples["cached_s"].append(timed([*PAPERLINE, "run", paper, "--set", "ranks=1"])[0])
         print(f"repeat {i + 1}/{repeats}:", {k: round(v[-1], 1) for k, v in samples.items()}, flush=True)
     median = {k: round(statistics.median(v), 2) for k, v in samples.items()}
-    train = {r: statistics.median(s["time/train_s"] for s in stages[r]) for r in stages}
+
+    def stage(run: str, name: str) -> float:
+        return round(statistics.median(s[f"time/{name}_s"] for s in stages[run]), 2)
+
+    # where the pipeline's extra time goes, stage by stage against the bare run (one rank each)
+    breakdown = {name: {"bare_s": stage("bare", name), "pipeline_s": stage("1", name)}
+                 for name in ("prepare", "train", "evaluate")}
+    breakdown["outside_flow"] = {  # interpreter, imports, CLI checks, the temporary Prefect API start and stop
+        "bare_s": round(median["bare_s"] - sum(stage("bare", n) for n in ("prepare", "train", "evaluate")), 2),
+        "pipeline_s": round(median["pipeline_1rank_s"] - stage("1", "total"), 2)}
     result = {
-        "paper": paper, "repeats": repeats, "median": median, "samples": samples, "stage_times": stages,
+        "paper": paper, "repeats": repeats, "median": median, "breakdown": breakdown, "samples": samples,
+        "stage_times": stages,
         "ratio_pipeline_to_bare": round(median["pipeline_1rank_s"] / median["bare_s"], 3),
         "fixed_cost_s": round(median["pipeline_1rank_s"] - median["bare_s"], 1),
-        "train_speedup_2_vs_1_ranks": round(train["1"] / train["2"], 3),
-        "scaling_efficiency_2_ranks": round(train["1"] / train["2"] / 2, 3),
+        "train_speedup_2_vs_1_ranks": round(stage("1", "train") / stage("2", "train"), 3),
+        "scaling_efficiency_2_ranks": round(stage("1", "train") / stage("2", "train") / 2, 3),
     }
     OUT.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k not in ("samples", "stage_times")}, indent=1))

@@ -43,22 +43,27 @@ def is_default_run(profile: str, overrides: dict[str, Any]) -> bool:
     return profile == data.DEFAULT_PROFILE and not overrides
 
 
-def lookup(paper: str, profile: str, overrides: dict[str, Any]) -> PipelineResult | None:
-    """The earlier finished run of exactly this work, or None (then the flow runs). Raises ConfigError like
-    `registry.resolve` for an unknown id or profile; unvalidated params simply never match a finished run."""
+def lookup(papers: list[str], profile: str, overrides: dict[str, Any]) -> dict[str, PipelineResult]:
+    """The earlier finished run of exactly this work, per paper that has one (the others then run). Raises
+    ConfigError like `registry.resolve` for an unknown id or profile; unvalidated params simply never match a
+    finished run. One DVC repository and one MLflow client serve every paper."""
     start = time.perf_counter()
-    raw = registry.raw_params(paper, profile, overrides, settings.params_file())
-    stage = data.stage_location(paper, profile, raw, is_default_run(profile, overrides))
-    data_hash = data.current_hash(stage)
-    if data_hash is None or not tracking.store_exists():
-        return None
-    found = tracking.client().get_experiment_by_name(f"paperline/{paper}")
-    if found is None:
-        return None
-    run = tracking.find_cached(found.experiment_id, tracking.run_key(paper, profile, raw, data_hash))
-    if run is None:
-        return None
-    tracking.mark_reused(run.info.run_id)
-    print(f"[{paper}] unchanged code, params and data: reusing run {run.info.run_id} (use --force to retrain)",
-          file=sys.stderr, flush=True)
-    return PipelineResult.reused_run(run, paper, profile, data_hash, start)
+    raw = {pid: registry.raw_params(pid, profile, overrides, settings.params_file()) for pid in papers}
+    stages = {pid: data.stage_location(pid, profile, raw[pid], is_default_run(profile, overrides)) for pid in papers}
+    hashes = data.current_hashes(list(stages.values()))
+    if not any(hashes.values()) or not tracking.store_exists():
+        return {}
+    found: dict[str, PipelineResult] = {}
+    for pid in papers:
+        data_hash = hashes[stages[pid].target]
+        experiment = tracking.client().get_experiment_by_name(f"paperline/{pid}") if data_hash else None
+        if experiment is None:
+            continue
+        run = tracking.find_cached(experiment.experiment_id, tracking.run_key(pid, profile, raw[pid], data_hash))
+        if run is None:
+            continue
+        tracking.mark_reused(run.info.run_id)
+        print(f"[{pid}] unchanged code, params and data: reusing run {run.info.run_id} (use --force to retrain)",
+              file=sys.stderr, flush=True)
+        found[pid] = PipelineResult.reused_run(run, pid, profile, data_hash, start)
+    return found

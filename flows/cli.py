@@ -69,7 +69,7 @@ def run(
         if tracking.store_exists():  # a server, or the embedded store (whose first use creates it)
             tracking.check_reachable()
         # unchanged work answers from MLflow at once, before Prefect starts or any paper is imported
-        reused = {} if force else {pid: hit for pid in ids if (hit := lookup(pid, profile, overrides))}
+        reused = {} if force else lookup(ids, profile, overrides)
         todo = [pid for pid in ids if pid not in reused]
         for pid in todo:  # every id, profile and override checked before any work
             registry.resolve(pid, profile, overrides, settings.params_file())

@@ -123,17 +123,27 @@ def locked_hash(stage: DataStage) -> str | None:
 def current_hash(stage: DataStage) -> str | None:
     """The stage's data hash if DVC finds it up to date (code, params and data unchanged), else None. Never
     reproduces anything, and gives up at once (None) when another process holds the DVC lock."""
-    if locked_hash(stage) is None:
-        return None
+    return current_hashes([stage])[stage.target]
+
+
+def current_hashes(stages: list[DataStage]) -> dict[str, str | None]:
+    """`current_hash` of several stages (by target) through one DVC repository: a whole suite's cached rerun
+    opens DVC once, not once per paper."""
+    hashes: dict[str, str | None] = {stage.target: None for stage in stages}
+    recorded = [stage for stage in stages if locked_hash(stage) is not None]
+    if not recorded:
+        return hashes
     from dvc.repo import Repo
 
     with dvc_lock(wait=False) as got, chdir(settings.root()):
         if not got:
-            return None
+            return hashes
         _follow_current_streams()
         with Repo(str(settings.root())) as repo:
-            changed = repo.status(targets=[stage.target])
-    return None if changed else locked_hash(stage)
+            for stage in recorded:  # one status per target: a joint one is keyed by DVC's stage names
+                if not repo.status(targets=[stage.target]):
+                    hashes[stage.target] = locked_hash(stage)
+    return hashes
 
 
 @contextmanager

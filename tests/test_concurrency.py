@@ -48,3 +48,24 @@ def test_two_runs_of_one_paper_at_once_keep_everything_apart(workspace):
         folder = workspace / "runs" / "sei" / run.info.run_id
         assert (folder / "claim.json").exists() and list(folder.glob("checkpoints/*/committed.json"))
     assert len(list((workspace / "variants" / "sei").iterdir())) == 2
+
+
+def test_suite_beside_a_single_run_of_one_of_its_papers(workspace):
+    """The nightly suite and a user's run of the same paper, same params, at the same moment: the data stage is
+    prepared once (the other waits for DVC's lock), and each run trains in its own folder under its own MLflow run."""
+    cli = [sys.executable, "-m", "flows.cli", "run", "--profile", "test"]
+    runs = [subprocess.Popen(command, cwd=workspace, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for command in ([*cli, "sei", "ldka"], [*cli, "sei"])]
+    outputs = [p.communicate(timeout=900)[0] for p in runs]
+    assert [p.returncode for p in runs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    assert all("claim sei:" in o for o in outputs) and "claim ldka:" in outputs[0]
+    client = MlflowClient(settings.tracking_uri())
+    sei = client.search_runs([client.get_experiment_by_name("paperline/sei").experiment_id])
+    assert len(sei) == 2 and {r.info.status for r in sei} == {"FINISHED"}
+    assert len({r.data.tags["paperline.data_hash"] for r in sei}) == 1  # the same work, the same data
+    for run in sei:
+        folder = workspace / "runs" / "sei" / run.info.run_id
+        assert (folder / "claim.json").exists() and list(folder.glob("checkpoints/*/committed.json"))
+    assert len(list((workspace / "variants" / "sei").iterdir())) == 1
+    ldka = client.search_runs([client.get_experiment_by_name("paperline/ldka").experiment_id])
+    assert [r.info.status for r in ldka] == ["FINISHED"]
