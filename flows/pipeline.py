@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextvars
 import os
 import sys
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
@@ -139,20 +141,26 @@ def promote_task(paper: str, run_id: str) -> None:
 
 
 @flow(name="suite")
-def suite(papers: list[str] | None = None, profile: str = "smoke", force: bool = False) -> list[dict]:
-    """Every given paper (default: all registered) in turn; one paper's failure is reported, not fatal."""
+def suite(papers: list[str] | None = None, profile: str = "smoke", force: bool = False,
+          parallel: int = 1) -> list[dict]:
+    """Every given paper (default: all registered); one paper's failure is reported, not fatal.
+
+    `parallel` papers run side by side (threads of this process; training is a subprocess per paper, evaluation
+    one paper at a time): one paper's single-threaded stretches (prepare, evaluate, start-up) then use the cores
+    another paper's training leaves idle (benchmarks/README.md, suite)."""
     started = time.time()
     ids = papers or registry.paper_ids()
+    if parallel < 1:
+        raise registry.ConfigError(f"parallel: must be at least 1, got {parallel}")
     for pid in ids:  # validate every id and profile before any work
         registry.resolve(pid, profile, None, settings.params_file())
-    results: list[dict] = []
-    for i, pid in enumerate(ids, 1):
-        _say(f"=== [{i}/{len(ids)}] {pid} ({profile}) ===")
-        try:
-            results.append(paper_pipeline(pid, profile, None, force))
-        except Exception as e:  # noqa: BLE001 - report and continue with the next paper
-            _say(f"[{pid}] FAILED: {type(e).__name__}: {e}")
-            results.append({"paper": pid, "profile": profile, "error": f"{type(e).__name__}: {e}"})
+    calls = [(f"[{i}/{len(ids)}] {pid}", pid, profile, _in_context(pid, profile, force))
+             for i, pid in enumerate(ids, 1)]
+    if parallel == 1:
+        results = [_one(*call) for call in calls]
+    else:
+        with ThreadPoolExecutor(parallel, thread_name_prefix="suite") as pool:
+            results = list(pool.map(lambda call: _one(*call), calls))
     # the report covers this suite run: what it retrained, skipped or lost
     window = time.time() - started + 1
     md, _ = morning.write(morning.morning(window, profile), f"{window / 60:.0f} min (this suite run)",
@@ -161,10 +169,27 @@ def suite(papers: list[str] | None = None, profile: str = "smoke", force: bool =
     return results
 
 
-def run_papers(ids: list[str], profile: str, overrides: Mapping[str, Any] | None, force: bool) -> list[dict]:
+def _in_context(pid: str, profile: str, force: bool):
+    """The paper's pipeline as a subflow of this suite run, callable from any thread (Prefect's run context lives
+    in context variables, which a worker thread does not inherit)."""
+    context = contextvars.copy_context()
+    return lambda: context.run(paper_pipeline, pid, profile, None, force)
+
+
+def _one(title: str, pid: str, profile: str, run) -> dict:
+    _say(f"=== {title} ({profile}) ===")
+    try:
+        return run()
+    except Exception as e:  # noqa: BLE001 - report and continue with the next paper
+        _say(f"[{pid}] FAILED: {type(e).__name__}: {e}")
+        return {"paper": pid, "profile": profile, "error": f"{type(e).__name__}: {e}"}
+
+
+def run_papers(ids: list[str], profile: str, overrides: Mapping[str, Any] | None, force: bool,
+               parallel: int = 1) -> list[dict]:
     """CLI entry: one flow run per paper, or the suite flow for several."""
     if len(ids) == 1:
         return [paper_pipeline(ids[0], profile, dict(overrides or {}), force)]
     if overrides:
         raise registry.ConfigError("--set applies to one paper at a time")
-    return suite(ids, profile, force)
+    return suite(ids, profile, force, parallel)

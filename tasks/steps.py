@@ -11,6 +11,7 @@ import errno
 import json
 import math
 import os
+import threading
 from pathlib import Path
 
 from prefect import task
@@ -50,9 +51,20 @@ def evaluate_task(paper: Paper, params: PaperParams, data_dir: Path, out_dir: Pa
     return evaluate(paper, params, data_dir, out_dir, run_id)
 
 
+# evaluate runs inside the flow's process, where torch's thread count and pyplot's figures are process-wide: papers
+# that a suite runs side by side (`--parallel`) evaluate one at a time
+_EVALUATING = threading.Lock()
+
+
 def evaluate(paper: Paper, params: PaperParams, data_dir: Path, out_dir: Path,
              run_id: str | None) -> tuple[dict[str, float], ClaimResult]:
     """Run the paper's evaluation, compute its claim, and (with a run id) log everything to that MLflow run."""
+    with _EVALUATING:
+        return _evaluate(paper, params, data_dir, out_dir, run_id)
+
+
+def _evaluate(paper: Paper, params: PaperParams, data_dir: Path, out_dir: Path,
+              run_id: str | None) -> tuple[dict[str, float], ClaimResult]:
     plots_dir = out_dir / "plots"
     plots_dir.mkdir(parents=True, exist_ok=True)
     ctx = EvalContext(params=params, data_dir=data_dir, out_dir=out_dir, plots_dir=plots_dir,

@@ -51,11 +51,12 @@ def test_two_runs_of_one_paper_at_once_keep_everything_apart(workspace):
 
 
 def test_suite_beside_a_single_run_of_one_of_its_papers(workspace):
-    """The nightly suite and a user's run of the same paper, same params, at the same moment: the data stage is
-    prepared once (the other waits for DVC's lock), and each run trains in its own folder under its own MLflow run."""
+    """The suite (two papers side by side) and a user's run of one of them, same params, at the same moment: the data
+    stage is prepared once (the others wait for DVC's lock), and each run trains in its own folder under its own
+    MLflow run."""
     cli = [sys.executable, "-m", "flows.cli", "run", "--profile", "test"]
     runs = [subprocess.Popen(command, cwd=workspace, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for command in ([*cli, "sei", "ldka"], [*cli, "sei"])]
+            for command in ([*cli, "sei", "ldka", "--parallel", "2"], [*cli, "sei"])]
     outputs = [p.communicate(timeout=900)[0] for p in runs]
     assert [p.returncode for p in runs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     assert all("claim sei:" in o for o in outputs) and "claim ldka:" in outputs[0]
