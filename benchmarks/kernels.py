@@ -6,7 +6,8 @@
 - TBIK: `tbik_matmul` and `naive_tp_matmul` vs `torch.matmul` (cuBLAS) in bf16 at LLM shapes, plus TFLOP/s;
 - Token Sparse Attention vs SDPA (FlashAttention on GPUs) over lengths and keep ratios (the paper reports x3.23
   attention speedup at 128K).
-No numbers are committed from a machine where this was not run; results go to benchmarks/results/<host>.json.
+No numbers are committed from a machine where this was not run; results go to
+benchmarks/results/kernels-<device>-<host>.json.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def bench_window_attention() -> list[dict]:
 if __name__ == "__main__":
     out = {"device": torch.cuda.get_device_name() if GPU else platform.processor() or "cpu",
            "tbik": bench_tbik(), "token_sparse": bench_token_sparse(), "window_attention": bench_window_attention()}
-    path = Path(__file__).parent / "results" / f"{platform.node()}.json"
+    path = Path(__file__).parent / "results" / f"kernels-{DEV}-{platform.node()}.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     print(f"wrote {path}")

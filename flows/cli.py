@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
@@ -51,12 +50,14 @@ def run(
     force: Annotated[bool, typer.Option(help="Retrain even if an identical earlier run exists.")] = False,
     report: Annotated[bool, typer.Option(help="Write the scoreboard afterwards.")] = False,
     hostfile: Annotated[str | None, typer.Option(help="DeepSpeed hostfile: train across its machines.")] = None,
-    parallel: Annotated[int, typer.Option(min=1, help="Papers run side by side (several papers only).")] = 1,
+    parallel: Annotated[int, typer.Option(help="Papers run side by side (several papers only).")] = 1,
 ) -> None:
     """Run paper pipelines (prepare -> train -> evaluate -> claim); each ends with its claim line."""
     ids = registry.paper_ids() if all_papers else list(papers or [])
     if not ids:
         _fail("name paper ids or pass --all")
+    if parallel < 1:
+        _fail(f"--parallel: must be at least 1, got {parallel}")
     try:
         overrides = registry.parse_overrides(set_)
         if overrides and len(ids) > 1:
@@ -73,7 +74,6 @@ def run(
         # unchanged work answers from MLflow at once, before Prefect starts or any paper is imported
         reused = {} if force else lookup(ids, profile, overrides)
         todo = [pid for pid in ids if pid not in reused]
-        api = _start_prefect_api() if todo else None
         for pid in todo:  # every id, profile and override checked before any work
             registry.resolve(pid, profile, overrides, settings.params_file())
     except registry.ConfigError as e:
@@ -86,8 +86,6 @@ def run(
     if todo:
         from flows.pipeline import run_papers
 
-        if api is not None:
-            api.join()
         try:
             ran = {r["paper"]: r for r in run_papers(todo, profile, overrides, force, parallel)}
         except Exception as e:  # noqa: BLE001 - one paper's run failed: say what, not a traceback
@@ -105,24 +103,6 @@ def run(
         _write_report(profile)
     if failed:
         raise typer.Exit(1)
-
-
-def _start_prefect_api() -> threading.Thread | None:
-    """Without PREFECT_API_URL the first flow starts Prefect's temporary local API, a server process that takes
-    seconds to come up: start it now, in the background, while the papers' modules and the flows import."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        return None
-
-    def start() -> None:
-        from prefect.server.api.server import SubprocessASGIServer
-
-        SubprocessASGIServer().start()  # the one instance the flow's client then finds running
-
-    thread = threading.Thread(target=start, name="prefect-api-start", daemon=True)
-    thread.start()
-    return thread
 
 
 def _write_report(profile: str | None) -> None:

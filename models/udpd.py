@@ -38,8 +38,9 @@ concatenation 0.644; UDPD >= constant lambda holds (0.698); UDPD without diffusi
 0.41, GCN 0.28. The structural branch sees no text, so the fused classifier leans on a text MLP plus a PE-only GCN,
 whereas the GCN baseline propagates MiniLM features over the graph; at 200 full-batch steps the diffusion and
 guidance do not close that gap (the spec's "honest limits" foresee it).
-Trimmed smoke (1 seed, 150 steps): UDPD 0.699 vs GCN 0.838, constant lambda 0.702; 128 s on 2 cores, still
-over the 90 s budget (MiniLM encoding of the node texts is 44 s of it).
+Trimmed smoke (1 seed, 150 steps): UDPD 0.699 vs GCN 0.838, constant lambda 0.702. On a quiet machine the smoke
+pipeline takes 53 s with the data up to date (train 37 s) and ~63 s when prepare reruns (MiniLM: 9 s to load, 4 s to
+encode the 1200 node texts); the 128 s measured first was on a machine shared with other runs.
 """
 
 from __future__ import annotations

@@ -59,7 +59,8 @@ def test_overrides_parse_as_yaml_scalars():
 
 
 @pytest.mark.parametrize("args", [["run", "nope"], ["run", "sei", "--set", "epochs=-1"],
-                                  ["run", "sei", "--profile", "huge"], ["run", "sei", "--set", "bogus=1"]])
+                                  ["run", "sei", "--profile", "huge"], ["run", "sei", "--set", "bogus=1"],
+                                  ["run", "sei", "ldka", "--parallel", "0"]])
 def test_cli_bad_input_exits_2_and_writes_nothing(workspace, args):
     before = sorted(p.relative_to(workspace) for p in workspace.rglob("*"))
     result = CliRunner().invoke(app, args)
