@@ -46,7 +46,7 @@ def is_default_run(profile: str, overrides: dict[str, Any]) -> bool:
 def lookup(papers: list[str], profile: str, overrides: dict[str, Any]) -> dict[str, PipelineResult]:
     """The earlier finished run of exactly this work, per paper that has one (the others then run). Raises
     ConfigError like `registry.resolve` for an unknown id or profile; unvalidated params simply never match a
-    finished run. One DVC repository and one MLflow client serve every paper."""
+    finished run. One DVC repository (and one read of dvc.lock) serves every paper."""
     start = time.perf_counter()
     raw = {pid: registry.raw_params(pid, profile, overrides, settings.params_file()) for pid in papers}
     stages = {pid: data.stage_location(pid, profile, raw[pid], is_default_run(profile, overrides)) for pid in papers}
