@@ -205,8 +205,14 @@ def server(port: Annotated[int, typer.Option()] = 4200) -> None:
 
 
 def main() -> None:  # pragma: no cover - console entry
-    app()
+    try:
+        app()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    else:
+        code = 0
+    settings.exit_without_teardown(code)
 
 
 if __name__ == "__main__":
-    app()
+    main()

@@ -6,6 +6,7 @@ would write under `~` by default (Prefect home, torch extension builds, DVC site
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import sys
@@ -86,3 +87,13 @@ def _has_cuda() -> bool:
     if "+cpu" in version or os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
         return False
     return Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia/gpus").is_dir()
+
+
+def exit_without_teardown(code: int) -> None:
+    """End the process now, after its exit handlers: the interpreter's teardown of torch, DeepSpeed, Prefect and
+    MLflow (1-3 s of freeing modules one by one) does nothing a finished run needs. Files are closed by then (every
+    write here is in a `with` block); the exit handlers flush logging and stop Prefect's temporary API."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
