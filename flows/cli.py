@@ -74,8 +74,8 @@ def run(
         # unchanged work answers from MLflow at once, before Prefect starts or any paper is imported
         reused = {} if force else lookup(ids, profile, overrides)
         todo = [pid for pid in ids if pid not in reused]
-        for pid in todo:  # every id, profile and override checked before any work
-            registry.resolve(pid, profile, overrides, settings.params_file())
+        # every id, profile and override checked before any work
+        resolved = [registry.resolve(pid, profile, overrides, settings.params_file()) for pid in todo]
     except registry.ConfigError as e:
         _fail(str(e))
     except RuntimeError as e:  # the tracking store is unreachable
@@ -84,6 +84,9 @@ def run(
         typer.echo(hit.claim_line())
     ran = {}
     if todo:
+        from tasks.train import prestart
+
+        prestart(todo[0], resolved[0])  # its ranks boot while Prefect and the flows import
         from flows.pipeline import run_papers
 
         try:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextvars
 import os
 import sys
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
@@ -22,7 +23,7 @@ from prefect.concurrency.sync import concurrency  # noqa: E402
 from flows import lifecycle, morning  # noqa: E402
 from flows.cache import PipelineResult, is_default_run  # noqa: E402
 from models import registry  # noqa: E402
-from tasks import settings, tracking  # noqa: E402
+from tasks import settings, tracking, train  # noqa: E402
 from tasks.context import send_pending  # noqa: E402
 from tasks.steps import evaluate_task, prepare_task, train_task  # noqa: E402
 from tasks.train import TrainJob  # noqa: E402
@@ -30,6 +31,11 @@ from tasks.train import TrainJob  # noqa: E402
 
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+# set by `suite` for the papers it runs: called when a paper's training ends, to warm up the next paper's ranks
+_after_training: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("after_training",
+                                                                                         default=None)
 
 
 @flow(name="paper-pipeline", log_prints=False)
@@ -43,9 +49,13 @@ def paper_pipeline(paper: str, profile: str = "smoke", overrides: dict[str, Any]
     spec = registry.get(paper)
     overrides = registry.parse_overrides(overrides)
     params = registry.resolve(paper, profile, overrides, settings.params_file())
-    tracking.check_reachable()
-    with concurrency(f"paper-{paper}", occupy=1, strict=False):
-        return _run(spec, profile, overrides, params, force, start)
+    train.prestart(paper, params)  # the ranks warm up while the data is checked and the MLflow run opens
+    try:
+        tracking.check_reachable()
+        with concurrency(f"paper-{paper}", occupy=1, strict=False):
+            return _run(spec, profile, overrides, params, force, start)
+    finally:
+        train.cancel_prestarted(paper)  # unclaimed when the run was reused or failed before training
 
 
 def _run(spec, profile: str, overrides: dict[str, Any], params, force: bool, start: float) -> dict:
@@ -103,6 +113,8 @@ def _run(spec, profile: str, overrides: dict[str, Any], params, force: bool, sta
         job = TrainJob(paper, params, prepared.stage.out_dir, out_dir, run_id, settings.tracking_uri())
         t_train = time.perf_counter()
         train_task(job)
+        if (next_up := _after_training.get()) is not None:
+            next_up()
         sent = send_pending(client, run_id, out_dir)  # what the ranks could not send while tracking was down
         if sent:
             _say(f"[{paper}] sent {sent} metrics held back while the tracking server was unreachable")
@@ -154,8 +166,11 @@ def suite(papers: list[str] | None = None, profile: str = "smoke", force: bool =
         raise registry.ConfigError(f"parallel: must be at least 1, got {parallel}")
     for pid in ids:  # validate every id and profile before any work
         registry.resolve(pid, profile, None, settings.params_file())
-    calls = [(f"[{i}/{len(ids)}] {pid}", pid, profile, _in_context(pid, profile, force))
+    upcoming = _Upcoming(ids, profile)
+    token = _after_training.set(upcoming.prestart_next)  # the papers' contexts are copies holding it
+    calls = [(f"[{i}/{len(ids)}] {pid}", pid, profile, _in_context(pid, profile, force, upcoming))
              for i, pid in enumerate(ids, 1)]
+    _after_training.reset(token)
     if parallel == 1:
         results = [_one(*call) for call in calls]
     else:
@@ -169,11 +184,34 @@ def suite(papers: list[str] | None = None, profile: str = "smoke", force: bool =
     return results
 
 
-def _in_context(pid: str, profile: str, force: bool):
+class _Upcoming:
+    """The suite's papers not started yet, in order. When one paper's training ends, the next paper's ranks are
+    prestarted: they import and join their process group while this paper evaluates on one thread."""
+
+    def __init__(self, ids: list[str], profile: str):
+        self._ids, self._profile, self._lock = list(ids), profile, threading.Lock()
+
+    def start(self, pid: str) -> None:
+        with self._lock:
+            self._ids.remove(pid)
+
+    def prestart_next(self) -> None:
+        with self._lock:  # held while it starts, so the next paper cannot start (and miss it) in between
+            if self._ids:
+                pid = self._ids[0]
+                train.prestart(pid, registry.resolve(pid, self._profile, None, settings.params_file()))
+
+
+def _in_context(pid: str, profile: str, force: bool, upcoming: _Upcoming):
     """The paper's pipeline as a subflow of this suite run, callable from any thread (Prefect's run context lives
     in context variables, which a worker thread does not inherit)."""
     context = contextvars.copy_context()
-    return lambda: context.run(paper_pipeline, pid, profile, None, force)
+
+    def run() -> dict:
+        upcoming.start(pid)
+        return context.run(paper_pipeline, pid, profile, None, force)
+
+    return run
 
 
 def _one(title: str, pid: str, profile: str, run) -> dict:

@@ -3,17 +3,27 @@
 The job runs in a subprocess so a crashed rank never takes the orchestrator down; a retry of the train task starts
 a fresh torchrun (torchrun's own restarts hang with gloo on torch 2.13) and the worker resumes from the newest
 committed checkpoint in the run-scoped folder. The ranks die with the orchestrator (PR_SET_PDEATHSIG).
+
+Starting a job costs seconds before its first step (a torchrun agent, then per rank an interpreter importing torch,
+DeepSpeed, the paper and MLflow, and the gloo rendezvous). `prestart` pays that while the flow does other work
+(Prefect's API start, the DVC check, opening the MLflow run; in a suite, the previous paper's one-thread
+evaluation): the ranks warm up, then wait for their spec, which `launch` hands them. A prestarted job that no
+launch claims (a cached result, a failure before training) is cancelled by `cancel_prestarted` or at exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,31 +49,124 @@ def launch(job: TrainJob) -> None:
     if (job.out_dir / DONE_MARKER).exists():
         return  # finished earlier (e.g. the pipeline was killed after training): nothing to redo
     spec_path = job.out_dir / "worker_spec.json"
-    ranks = job.params.ranks
-    cpus = len(os.sched_getaffinity(0))
     spec = {"paper": job.paper_id, "params": job.params.model_dump(mode="json"), "data_dir": str(job.data_dir),
             "out_dir": str(job.out_dir), "run_id": job.run_id,
             # a URI holding a password stays out of files: the ranks then read it from their environment
             "tracking_uri": job.tracking_uri if job.tracking_uri == mask(job.tracking_uri or "") else None,
-            "threads_per_rank": max(1, cpus // ranks)}
-    spec_path.write_text(json.dumps(spec, indent=1))
-    command = launcher_command(ranks, spec_path, os.environ.get("PAPERLINE_HOSTFILE"))
-    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads_per_rank"]), "PYTHONUNBUFFERED": "1"}
-    env.pop("LOCAL_SIZE", None)  # its presence leaves DeepSpeed shm segments behind in /dev/shm
+            "threads_per_rank": _threads_per_rank(job.params.ranks)}
+    spec_path.write_text(json.dumps(spec, indent=1))  # the record of what ran, in the run folder
+    warm = _claim(job.paper_id, job.params)
+    if warm is not None:
+        process = warm.hand_over(spec)
+    else:
+        command = launcher_command(job.params.ranks, spec_path, os.environ.get("PAPERLINE_HOSTFILE"))
+        process = _spawn(command, _rank_env(job.params.ranks))
     log_path = job.out_dir / "train.log"
     with open(log_path, "a", buffering=1) as log:  # line-buffered: a killed orchestrator loses no log lines
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                   preexec_fn=_die_with_parent)
+        log.write(f"[launcher] {'prestarted job' if warm else 'new job'}, {job.params.ranks} rank(s)\n")
         assert process.stdout is not None
         for line in process.stdout:  # stream progress to the terminal and keep it in the run folder
             log.write(line)
             if not _is_noise(line):
                 print(line, end="", file=sys.stderr, flush=True)
         code = process.wait()
+    if warm is not None:
+        warm.remove_ticket()
     if code != 0 or not (job.out_dir / DONE_MARKER).exists():
         reason = last_error(log_path)
         raise RuntimeError(f"DeepSpeed job of {job.paper_id} failed (exit {code})"
                            f"{': ' + reason if reason else ''}; see {log_path}")
+
+
+def _threads_per_rank(ranks: int) -> int:
+    return max(1, len(os.sched_getaffinity(0)) // ranks)
+
+
+def _rank_env(ranks: int) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(_threads_per_rank(ranks)), "PYTHONUNBUFFERED": "1"}
+    env.pop("LOCAL_SIZE", None)  # its presence leaves DeepSpeed shm segments behind in /dev/shm
+    return env
+
+
+def _spawn(command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=die_with_parent)
+
+
+# ---- prestarted jobs --------------------------------------------------------------------------------------------
+class _Prestarted:
+    """A job whose ranks run `tasks.worker --prestarted`: warming up or waiting for the spec file `ticket`."""
+
+    def __init__(self, paper_id: str, params: PaperParams):
+        self.key = _job_key(paper_id, params)
+        self.ticket = Path(tempfile.mkdtemp(prefix=f"paperline-{paper_id}-")) / "worker_spec.json"
+        command = launcher_command(params.ranks, self.ticket, None) + ["--prestarted", paper_id]
+        self.process = _spawn(command, _rank_env(params.ranks))
+
+    def hand_over(self, spec: dict) -> subprocess.Popen:
+        tmp = self.ticket.with_suffix(".tmp")
+        tmp.write_text(json.dumps(spec))
+        os.replace(tmp, self.ticket)  # atomic: a rank never reads half a spec
+        return self.process
+
+    def cancel(self) -> None:
+        """Stop it at once, warming up or waiting (torchrun passes SIGTERM on to its ranks)."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.communicate(timeout=30)  # drain its output so it cannot block on a full pipe
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.remove_ticket()
+
+    def remove_ticket(self) -> None:
+        shutil.rmtree(self.ticket.parent, ignore_errors=True)
+
+
+_prestarted: dict[str, _Prestarted] = {}  # by paper id; at most one waiting job per paper
+_prestarted_lock = threading.Lock()
+
+
+def _job_key(paper_id: str, params: PaperParams) -> tuple:
+    """What a rank fixes at start-up: the paper, the world size, and its environment (fault injection, tracking
+    credentials, PAPERLINE_ROOT ...); Prefect's own variables do not reach the ranks' work."""
+    env = tuple(sorted((k, v) for k, v in _rank_env(params.ranks).items() if not k.startswith("PREFECT_")))
+    return paper_id, params.ranks, env
+
+
+def prestart(paper_id: str, params: PaperParams) -> None:
+    """Start the paper's ranks now, ahead of `launch`; a no-op when one is already waiting or a hostfile spreads
+    the job over machines (the ticket would have to be on storage every host mounts)."""
+    if os.environ.get("PAPERLINE_HOSTFILE"):
+        return
+    with _prestarted_lock:
+        if paper_id not in _prestarted:
+            _prestarted[paper_id] = _Prestarted(paper_id, params)
+
+
+def _claim(paper_id: str, params: PaperParams) -> _Prestarted | None:
+    """The prestarted job for this launch, if it matches and is still alive; a stale one is cancelled."""
+    with _prestarted_lock:
+        warm = _prestarted.pop(paper_id, None)
+    if warm is None:
+        return None
+    if warm.key == _job_key(paper_id, params) and warm.process.poll() is None:
+        return warm
+    warm.cancel()
+    return None
+
+
+def cancel_prestarted(paper_id: str | None = None) -> None:
+    """Cancel the waiting job of `paper_id` (every paper's when None): nothing will claim it."""
+    with _prestarted_lock:
+        ids = list(_prestarted) if paper_id is None else [paper_id]
+        jobs = [_prestarted.pop(pid) for pid in ids if pid in _prestarted]
+    for job in jobs:
+        job.cancel()
+
+
+atexit.register(cancel_prestarted)
 
 
 def last_error(log_path: Path) -> str | None:
@@ -106,7 +209,7 @@ def read_hostfile(path: Path) -> dict[str, int]:
     return hosts
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 

@@ -2,6 +2,10 @@
 
 It joins the process group, builds the paper's `TrainContext` and calls `paper.train(ctx)`. Only rank 0 talks to
 MLflow. `train_in_process` runs the same thing as a single rank inside the caller (tests, benchmarks).
+
+`python -m tasks.worker <spec.json> --prestarted <paper>`: a rank started before its work is known
+(`tasks.train.prestart`). It imports the paper, DeepSpeed and MLflow and joins the process group, then waits for
+the spec file to appear; a spec of `{"cancel": true}` ends it without work.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import json
 import os
 import socket
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,6 +30,7 @@ from tasks import settings  # noqa: E402
 from tasks.context import MetricSink, TrainContext  # noqa: E402
 
 DONE_MARKER = "TRAIN_DONE"
+PRESTART_WAIT_S = 3600
 
 
 def _device(local_rank: int) -> torch.device:
@@ -81,9 +87,35 @@ def train_in_process(paper_id: str, params, data_dir: Path, out_dir: Path) -> No
          "out_dir": str(out_dir), "threads_per_rank": torch.get_num_threads()})
 
 
-if __name__ == "__main__":
-    run(json.loads(Path(sys.argv[1]).read_text()))
+def wait_for_spec(spec_path: Path, paper_id: str) -> dict | None:
+    """Do the start-up work that needs no spec, then wait for it; None when the job is cancelled."""
+    import deepspeed  # noqa: F401 - imported now, while nothing waits for this rank
+    from mlflow import MlflowClient  # noqa: F401
+
+    registry.get(paper_id)
+    _init_distributed()
+    deadline = time.monotonic() + PRESTART_WAIT_S
+    while not spec_path.exists():  # written atomically (os.replace) by tasks.train
+        if time.monotonic() > deadline:  # forgotten: the launcher finds it gone and starts a fresh job
+            return None
+        time.sleep(0.02)
+    spec = json.loads(spec_path.read_text())
+    return None if spec.get("cancel") else spec
+
+
+def main(argv: list[str]) -> None:
+    spec_path = Path(argv[0])
+    if len(argv) == 3 and argv[1] == "--prestarted":
+        spec = wait_for_spec(spec_path, argv[2])
+    else:
+        spec = json.loads(spec_path.read_text())
+    if spec is not None:
+        run(spec)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
     # everything is on disk and sent (checkpoints, TRAIN_DONE, metrics): skip the interpreter's ~1 s teardown
     exit_without_teardown(0)

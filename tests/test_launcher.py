@@ -1,0 +1,63 @@
+"""Prestarted DeepSpeed jobs (tasks.train.prestart): claimed by the launch they were started for, trained exactly
+like a job started at launch, and never left behind when nothing claims them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from models import registry
+from tasks import settings, train
+
+
+def _sei_test_params(**overrides):
+    return registry.resolve("sei", "test", {"ranks": 1, **overrides}, settings.params_file())
+
+
+def _job(params, data_dir: Path, out_dir: Path) -> train.TrainJob:
+    return train.TrainJob("sei", params, data_dir, out_dir, run_id=None, tracking_uri=None)
+
+
+def test_prestarted_job_trains_bitwise_like_a_new_one(tmp_path):
+    params = _sei_test_params()
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    registry.get("sei").prepare(params, data_dir)
+    train.prestart("sei", params)
+    train.launch(_job(params, data_dir, tmp_path / "prestarted"))
+    train.launch(_job(params, data_dir, tmp_path / "new"))  # nothing prestarted any more: a job of its own
+    logs = {name: (tmp_path / name / "train.log").read_text() for name in ("prestarted", "new")}
+    assert logs["prestarted"].startswith("[launcher] prestarted job") and logs["new"].startswith("[launcher] new job")
+    for name in ("model.pt", "records.pt"):
+        a, b = (torch.load(tmp_path / run / name, weights_only=False) for run in ("prestarted", "new"))
+        flat_a, flat_b = _tensors(a), _tensors(b)
+        assert flat_a.keys() == flat_b.keys() and flat_a
+        assert all(torch.equal(flat_a[k], flat_b[k]) for k in flat_a), name
+
+
+def _tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(obj, dict):
+        return {k: v for key, value in obj.items() for k, v in _tensors(value, f"{prefix}/{key}").items()}
+    if isinstance(obj, (list, tuple)):
+        return {k: v for i, value in enumerate(obj) for k, v in _tensors(value, f"{prefix}/{i}").items()}
+    if hasattr(obj, "shape"):
+        return {prefix: torch.as_tensor(obj)}
+    return {}
+
+
+def test_unclaimed_or_mismatched_prestarts_are_stopped(monkeypatch):
+    params = _sei_test_params()
+    train.prestart("sei", params)
+    waiting = train._prestarted["sei"]
+    train.prestart("sei", params)  # one waiting job per paper
+    assert train._prestarted["sei"] is waiting
+    monkeypatch.setenv("PAPERLINE_FAULT", "kill:0:detect:1")  # the ranks would not see it: not this job
+    assert train._claim("sei", params) is None
+    assert waiting.process.poll() is not None and not waiting.ticket.parent.exists()
+
+    train.prestart("sei", params)
+    cancelled = train._prestarted["sei"]
+    train.cancel_prestarted("sei")
+    assert cancelled.process.poll() is not None and not cancelled.ticket.parent.exists()
+    assert "sei" not in train._prestarted
