@@ -84,12 +84,16 @@ def run(
         typer.echo(hit.claim_line())
     ran = {}
     if todo:
+        from flows import local_api
         from tasks.train import prestart
 
-        prestart(todo[0], resolved[0])  # its ranks boot while Prefect and the flows import
+        # both boot in the background while Prefect and the flows import (benchmarks/README.md, overhead)
+        local_api.start()
+        prestart(todo[0], resolved[0])
         from flows.pipeline import run_papers
 
         try:
+            local_api.wait_ready()
             ran = {r["paper"]: r for r in run_papers(todo, profile, overrides, force, parallel)}
         except Exception as e:  # noqa: BLE001 - one paper's run failed: say what, not a traceback
             _fail(f"{todo[0]} failed: {type(e).__name__}: {tracking.mask(str(e))} (its MLflow run is marked FAILED; "

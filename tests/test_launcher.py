@@ -3,6 +3,8 @@ like a job started at launch, and never left behind when nothing claims them."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -61,3 +63,23 @@ def test_unclaimed_or_mismatched_prestarts_are_stopped(monkeypatch):
     train.cancel_prestarted("sei")
     assert cancelled.process.poll() is not None and not cancelled.ticket.parent.exists()
     assert "sei" not in train._prestarted
+
+
+def test_temporary_prefect_api_starts_answers_and_stops():
+    """In a fresh process (Prefect not yet imported), as the CLI uses it."""
+    code = """
+import os, urllib.request
+from tasks.settings import configure_environment
+configure_environment()
+from flows import local_api
+assert local_api.start()
+local_api.wait_ready()
+url = os.environ["PREFECT_API_URL"]
+assert urllib.request.urlopen(url + "/health").status == 200
+server = local_api._server
+local_api.stop()
+assert server.poll() is not None and "PREFECT_API_URL" not in os.environ
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=settings.root(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
