@@ -5,7 +5,7 @@ MLflow. `train_in_process` runs the same thing as a single rank inside the calle
 
 `python -m tasks.worker <spec.json> --prestarted <paper>`: a rank started before its work is known
 (`tasks.train.prestart`). It imports the paper, DeepSpeed and MLflow and joins the process group, then waits for
-the spec file to appear; a spec of `{"cancel": true}` ends it without work.
+the spec file to appear (an unclaimed job is stopped by the launcher, or gives up after PRESTART_WAIT_S).
 """
 
 from __future__ import annotations
@@ -88,10 +88,11 @@ def train_in_process(paper_id: str, params, data_dir: Path, out_dir: Path) -> No
 
 
 def wait_for_spec(spec_path: Path, paper_id: str) -> dict | None:
-    """Do the start-up work that needs no spec, then wait for it; None when the job is cancelled."""
+    """Do the start-up work that needs no spec, then wait for it; None when nothing claimed the job in time."""
     import deepspeed  # noqa: F401 - imported now, while nothing waits for this rank
-    from mlflow import MlflowClient  # noqa: F401
 
+    if os.environ.get("RANK", "0") == "0":  # only rank 0 talks to MLflow
+        from mlflow import MlflowClient  # noqa: F401
     registry.get(paper_id)
     _init_distributed()
     deadline = time.monotonic() + PRESTART_WAIT_S
@@ -99,8 +100,7 @@ def wait_for_spec(spec_path: Path, paper_id: str) -> dict | None:
         if time.monotonic() > deadline:  # forgotten: the launcher finds it gone and starts a fresh job
             return None
         time.sleep(0.02)
-    spec = json.loads(spec_path.read_text())
-    return None if spec.get("cancel") else spec
+    return json.loads(spec_path.read_text())
 
 
 def main(argv: list[str]) -> None:

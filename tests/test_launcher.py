@@ -83,3 +83,18 @@ assert server.poll() is not None and "PREFECT_API_URL" not in os.environ
     done = subprocess.run([sys.executable, "-c", code], cwd=settings.root(), capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_suite_prestarts_the_paper_after_the_one_that_finished_training(monkeypatch):
+    from flows import pipeline
+
+    started = []
+    monkeypatch.setattr(pipeline.train, "prestart", lambda pid, params: started.append((pid, params.ranks)))
+    upcoming = pipeline._Upcoming(["sei", "ldka", "qubo_relax"], "test")
+    upcoming.start("sei")
+    upcoming.prestart_next()  # sei trained: ldka is next
+    upcoming.start("ldka")
+    upcoming.start("qubo_relax")  # side by side, qubo_relax started before ldka finished training
+    upcoming.prestart_next()
+    assert [pid for pid, _ in started] == ["ldka"]
+    assert started[0][1] == registry.resolve("ldka", "test", None, settings.params_file()).ranks

@@ -91,6 +91,9 @@ def test_two_nightly_suites_in_a_row(workspace, prefect_harness):
     papers = ["sei", "qubo_relax"]
     first = suite(papers, "test")
     assert [r.get("reused") for r in first] == [False, False]
+    # started while sei evaluated (or by its own flow): either way the job it trained in was waiting for it
+    qubo_log = (workspace / "runs" / "qubo_relax" / first[1]["run_id"] / "train.log").read_text()
+    assert qubo_log.startswith("[launcher] prestarted job")
     params = yaml.safe_load((workspace / "params.yaml").read_text())
     params["papers"]["qubo_relax"]["test"]["starts"] = 12  # one paper's params change during the day
     (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
