@@ -8,13 +8,16 @@ Each repeat runs, in this order and each in a fresh process:
 - pipeline, 1 rank: `paperline run <paper> --set ranks=1 --force` (Prefect + DVC check + torchrun/DeepSpeed + MLflow);
 - cached: the same command without --force (answered from MLflow and a DVC status);
 - pipeline, 2 ranks: `paperline run <paper> --set ranks=2 --force`.
-The pipeline's own stage times (time/*_s in MLflow) break its wall time down. Writes benchmarks/results/overhead.json.
+The pipeline's own stage times (time/*_s in MLflow) break its wall time down. The training loops' own time (steps /
+rate of each phase's last progress line, printed by both) is subtracted from each wall time: what is left is the
+fixed cost, without the loops' run-to-run spread on a shared machine. Writes benchmarks/results/overhead.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -49,10 +52,19 @@ print(json.dumps({"time/prepare_s": t1 - t0, "time/train_s": t2 - t1, "time/eval
 """
 
 
-def timed(command: list[str]) -> tuple[float, str]:
+PROGRESS = re.compile(r"phase (\S+): step (\d+)/(\d+) .*\(([\d.]+) it/s\)")
+
+
+def timed(command: list[str]) -> tuple[float, str, float]:
+    """Wall seconds, stdout, and the seconds spent in training loops (from the progress lines on stderr)."""
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
-    return time.perf_counter() - start, done.stdout
+    wall = time.perf_counter() - start
+    last: dict[str, float] = {}
+    for phase, step, total, rate in PROGRESS.findall(done.stderr):
+        if step == total:  # the rate is averaged over the whole phase: steps / rate is the loop's time
+            last[phase] = int(total) / float(rate)
+    return wall, done.stdout, sum(last.values())
 
 
 def stage_times(paper: str, ranks: int) -> dict[str, float]:
@@ -67,16 +79,20 @@ def stage_times(paper: str, ranks: int) -> dict[str, float]:
 
 def main(paper: str, repeats: int) -> None:
     samples: dict[str, list[float]] = {"bare_s": [], "pipeline_1rank_s": [], "cached_s": [], "pipeline_2ranks_s": []}
+    loops: dict[str, list[float]] = {"bare_s": [], "pipeline_1rank_s": [], "pipeline_2ranks_s": []}
     stages: dict[str, list[dict]] = {"bare": [], "1": [], "2": []}
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
         script.write(BARE)
     for i in range(repeats):
-        wall, out = timed([sys.executable, script.name, paper])
+        wall, out, loop = timed([sys.executable, script.name, paper])
         samples["bare_s"].append(wall)
+        loops["bare_s"].append(loop)
         stages["bare"].append(json.loads(out.strip().splitlines()[-1]))
         for ranks in (1, 2):
-            wall, _ = timed([*PAPERLINE, "run", paper, "--set", f"ranks={ranks}", "--force"])
-            samples[f"pipeline_{ranks}rank{'s' if ranks > 1 else ''}_s"].append(wall)
+            wall, _, loop = timed([*PAPERLINE, "run", paper, "--set", f"ranks={ranks}", "--force"])
+            name = f"pipeline_{ranks}rank{'s' if ranks > 1 else ''}_s"
+            samples[name].append(wall)
+            loops[name].append(loop)
             stages[str(ranks)].append(stage_times(paper, ranks))
             if ranks == 1:
                 samples["cached_s"].append(timed([*PAPERLINE, "run", paper, "--set", "ranks=1"])[0])
@@ -92,8 +108,15 @@ def main(paper: str, repeats: int) -> None:
     breakdown["outside_flow"] = {  # interpreter, imports, CLI checks, the temporary Prefect API start and stop
         "bare_s": round(median["bare_s"] - sum(stage("bare", n) for n in ("prepare", "train", "evaluate")), 2),
         "pipeline_s": round(median["pipeline_1rank_s"] - stage("1", "total"), 2)}
+    # wall minus training loops, run by run: the fixed cost without the loops' spread
+    outside = {k: [w - loop for w, loop in zip(samples[k], loops[k], strict=True)] for k in loops}
+    rest = {k: round(statistics.median(v), 2) for k, v in outside.items()}
+    minute = 60.0
     result = {
         "paper": paper, "repeats": repeats, "median": median, "breakdown": breakdown, "samples": samples,
+        "loop_s": loops, "outside_loops_median_s": rest,
+        "fixed_cost_outside_loops_s": round(rest["pipeline_1rank_s"] - rest["bare_s"], 2),
+        "ratio_at_one_minute_of_loops": round((minute + rest["pipeline_1rank_s"]) / (minute + rest["bare_s"]), 3),
         "stage_times": stages,
         "ratio_pipeline_to_bare": round(median["pipeline_1rank_s"] / median["bare_s"], 3),
         "fixed_cost_s": round(median["pipeline_1rank_s"] - median["bare_s"], 1),
@@ -101,7 +124,7 @@ def main(paper: str, repeats: int) -> None:
         "scaling_efficiency_2_ranks": round(stage("1", "train") / stage("2", "train") / 2, 3),
     }
     OUT.write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k not in ("samples", "stage_times")}, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("samples", "stage_times", "loop_s")}, indent=1))
 
 
 if __name__ == "__main__":

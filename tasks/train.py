@@ -55,7 +55,7 @@ def launch(job: TrainJob) -> None:
             "tracking_uri": job.tracking_uri if job.tracking_uri == mask(job.tracking_uri or "") else None,
             "threads_per_rank": _threads_per_rank(job.params.ranks)}
     spec_path.write_text(json.dumps(spec, indent=1))  # the record of what ran, in the run folder
-    warm = _claim(job.paper_id, job.params)
+    warm, how = _claim(job.paper_id, job.params)
     if warm is not None:
         process = warm.hand_over(spec)
     else:
@@ -63,7 +63,7 @@ def launch(job: TrainJob) -> None:
         process = _spawn(command, _rank_env(job.params.ranks))
     log_path = job.out_dir / "train.log"
     with open(log_path, "a", buffering=1) as log:  # line-buffered: a killed orchestrator loses no log lines
-        log.write(f"[launcher] {'prestarted job' if warm else 'new job'}, {job.params.ranks} rank(s)\n")
+        log.write(f"[launcher] {how}, {job.params.ranks} rank(s)\n")
         assert process.stdout is not None
         for line in process.stdout:  # stream progress to the terminal and keep it in the run folder
             log.write(line)
@@ -145,16 +145,22 @@ def prestart(paper_id: str, params: PaperParams) -> None:
             _prestarted[paper_id] = _Prestarted(paper_id, params)
 
 
-def _claim(paper_id: str, params: PaperParams) -> _Prestarted | None:
-    """The prestarted job for this launch, if it matches and is still alive; a stale one is cancelled."""
+def _claim(paper_id: str, params: PaperParams) -> tuple[_Prestarted | None, str]:
+    """The prestarted job for this launch if it matches and is still alive (a stale one is cancelled), and what
+    the train log says about it."""
     with _prestarted_lock:
         warm = _prestarted.pop(paper_id, None)
     if warm is None:
-        return None
-    if warm.key == _job_key(paper_id, params) and warm.process.poll() is None:
-        return warm
+        return None, "new job"
+    key = _job_key(paper_id, params)
+    if warm.key == key and warm.process.poll() is None:
+        return warm, "prestarted job"
     warm.cancel()
-    return None
+    if warm.key[:2] != key[:2]:
+        return None, "new job (the prestarted one had another world size)"
+    changed = sorted({k for k, _ in set(warm.key[2]) ^ set(key[2])})
+    # e.g. RDBASE, which importing rdkit sets in this process: a new job sees it as a fresh launch would
+    return None, f"new job ({'environment changed: ' + ', '.join(changed) if changed else 'the prestarted one died'})"
 
 
 def cancel_prestarted(paper_id: str | None = None) -> None:

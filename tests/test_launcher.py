@@ -55,7 +55,7 @@ def test_unclaimed_or_mismatched_prestarts_are_stopped(monkeypatch):
     train.prestart("sei", params)  # one waiting job per paper
     assert train._prestarted["sei"] is waiting
     monkeypatch.setenv("PAPERLINE_FAULT", "kill:0:detect:1")  # the ranks would not see it: not this job
-    assert train._claim("sei", params) is None
+    assert train._claim("sei", params) == (None, "new job (environment changed: PAPERLINE_FAULT)")
     assert waiting.process.poll() is not None and not waiting.ticket.parent.exists()
 
     train.prestart("sei", params)
