@@ -54,10 +54,10 @@ def main(commits: list[str], paper: str, profile: str, repeats: int) -> None:
     for tree in trees.values():  # untimed: prepares the data, builds nothing else
         timed(pipeline[:-1], tree)
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
-        script.write(BARE.replace('"smoke"', repr(profile)))
+        script.write(BARE)
     samples: dict[str, list[float]] = {"bare": [], **{c: [] for c in commits}}
     for i in range(repeats):
-        samples["bare"].append(timed([sys.executable, script.name, paper], ROOT))
+        samples["bare"].append(timed([sys.executable, script.name, paper, profile], ROOT))
         for commit, tree in trees.items():
             samples[commit].append(timed(pipeline, tree))
         print(f"repeat {i + 1}/{repeats}:", {k: round(v[-1], 2) for k, v in samples.items()}, flush=True)

@@ -36,8 +36,8 @@ from models import registry
 from tasks import settings
 from tasks.steps import evaluate
 from tasks.worker import train_in_process
-pid = sys.argv[1]
-params = registry.resolve(pid, "smoke", {"ranks": 1}, settings.params_file())
+pid, profile = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "smoke")
+params = registry.resolve(pid, profile, {"ranks": 1}, settings.params_file())
 with tempfile.TemporaryDirectory() as tmp:
     data, out = Path(tmp) / "data", Path(tmp) / "out"
     data.mkdir()

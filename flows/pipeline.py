@@ -23,6 +23,7 @@ from prefect.concurrency.sync import concurrency  # noqa: E402
 from flows import lifecycle, morning  # noqa: E402
 from flows.cache import PipelineResult, is_default_run  # noqa: E402
 from models import registry  # noqa: E402
+from models.contract import PaperParams  # noqa: E402
 from tasks import settings, tracking, train  # noqa: E402
 from tasks.context import send_pending  # noqa: E402
 from tasks.steps import evaluate_task, prepare_task, train_task  # noqa: E402
@@ -164,9 +165,8 @@ def suite(papers: list[str] | None = None, profile: str = "smoke", force: bool =
     ids = papers or registry.paper_ids()
     if parallel < 1:
         raise registry.ConfigError(f"parallel: must be at least 1, got {parallel}")
-    for pid in ids:  # validate every id and profile before any work
-        registry.resolve(pid, profile, None, settings.params_file())
-    upcoming = _Upcoming(ids, profile)
+    # validate every id and profile before any work
+    upcoming = _Upcoming({pid: registry.resolve(pid, profile, None, settings.params_file()) for pid in ids})
     token = _after_training.set(upcoming.prestart_next)  # the papers' contexts are copies holding it
     calls = [(f"[{i}/{len(ids)}] {pid}", pid, profile, _in_context(pid, profile, force, upcoming))
              for i, pid in enumerate(ids, 1)]
@@ -188,18 +188,17 @@ class _Upcoming:
     """The suite's papers not started yet, in order. When one paper's training ends, the next paper's ranks are
     prestarted: they import and join their process group while this paper evaluates on one thread."""
 
-    def __init__(self, ids: list[str], profile: str):
-        self._ids, self._profile, self._lock = list(ids), profile, threading.Lock()
+    def __init__(self, params: dict[str, PaperParams]):
+        self._params, self._lock = dict(params), threading.Lock()  # insertion order: the suite's order
 
     def start(self, pid: str) -> None:
         with self._lock:
-            self._ids.remove(pid)
+            del self._params[pid]
 
     def prestart_next(self) -> None:
         with self._lock:  # held while it starts, so the next paper cannot start (and miss it) in between
-            if self._ids:
-                pid = self._ids[0]
-                train.prestart(pid, registry.resolve(pid, self._profile, None, settings.params_file()))
+            if self._params:
+                train.prestart(*next(iter(self._params.items())))
 
 
 def _in_context(pid: str, profile: str, force: bool, upcoming: _Upcoming):

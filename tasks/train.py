@@ -62,16 +62,18 @@ def launch(job: TrainJob) -> None:
         command = launcher_command(job.params.ranks, spec_path, os.environ.get("PAPERLINE_HOSTFILE"))
         process = _spawn(command, _rank_env(job.params.ranks))
     log_path = job.out_dir / "train.log"
-    with open(log_path, "a", buffering=1) as log:  # line-buffered: a killed orchestrator loses no log lines
-        log.write(f"[launcher] {how}, {job.params.ranks} rank(s)\n")
-        assert process.stdout is not None
-        for line in process.stdout:  # stream progress to the terminal and keep it in the run folder
-            log.write(line)
-            if not _is_noise(line):
-                print(line, end="", file=sys.stderr, flush=True)
-        code = process.wait()
-    if warm is not None:
-        warm.remove_ticket()
+    try:
+        with open(log_path, "a", buffering=1) as log:  # line-buffered: a killed orchestrator loses no log lines
+            log.write(f"[launcher] {how}, {job.params.ranks} rank(s)\n")
+            assert process.stdout is not None
+            for line in process.stdout:  # stream progress to the terminal and keep it in the run folder
+                log.write(line)
+                if not _is_noise(line):
+                    print(line, end="", file=sys.stderr, flush=True)
+            code = process.wait()
+    finally:
+        if warm is not None:
+            warm.remove_ticket()
     if code != 0 or not (job.out_dir / DONE_MARKER).exists():
         reason = last_error(log_path)
         raise RuntimeError(f"DeepSpeed job of {job.paper_id} failed (exit {code})"
@@ -98,7 +100,7 @@ class _Prestarted:
     """A job whose ranks run `tasks.worker --prestarted`: warming up or waiting for the spec file `ticket`."""
 
     def __init__(self, paper_id: str, params: PaperParams):
-        self.key = _job_key(paper_id, params)
+        self.ranks, self.env = params.ranks, _fixed_env(params.ranks)
         self.ticket = Path(tempfile.mkdtemp(prefix=f"paperline-{paper_id}-")) / "worker_spec.json"
         command = launcher_command(params.ranks, self.ticket, None) + ["--prestarted", paper_id]
         self.process = _spawn(command, _rank_env(params.ranks))
@@ -128,11 +130,10 @@ _prestarted: dict[str, _Prestarted] = {}  # by paper id; at most one waiting job
 _prestarted_lock = threading.Lock()
 
 
-def _job_key(paper_id: str, params: PaperParams) -> tuple:
-    """What a rank fixes at start-up: the paper, the world size, and its environment (fault injection, tracking
-    credentials, PAPERLINE_ROOT ...); Prefect's own variables do not reach the ranks' work."""
-    env = tuple(sorted((k, v) for k, v in _rank_env(params.ranks).items() if not k.startswith("PREFECT_")))
-    return paper_id, params.ranks, env
+def _fixed_env(ranks: int) -> dict[str, str]:
+    """The environment a rank fixes at start-up (fault injection, tracking credentials, PAPERLINE_ROOT ...);
+    Prefect's own variables do not reach the ranks' work."""
+    return {k: v for k, v in _rank_env(ranks).items() if not k.startswith("PREFECT_")}
 
 
 def prestart(paper_id: str, params: PaperParams) -> None:
@@ -152,14 +153,14 @@ def _claim(paper_id: str, params: PaperParams) -> tuple[_Prestarted | None, str]
         warm = _prestarted.pop(paper_id, None)
     if warm is None:
         return None, "new job"
-    key = _job_key(paper_id, params)
-    if warm.key == key and warm.process.poll() is None:
+    env = _fixed_env(params.ranks)
+    if warm.ranks == params.ranks and warm.env == env and warm.process.poll() is None:
         return warm, "prestarted job"
     warm.cancel()
-    if warm.key[:2] != key[:2]:
+    if warm.ranks != params.ranks:
         return None, "new job (the prestarted one had another world size)"
-    changed = sorted({k for k, _ in set(warm.key[2]) ^ set(key[2])})
     # e.g. RDBASE, which importing rdkit sets in this process: a new job sees it as a fresh launch would
+    changed = sorted(k for k in env.keys() | warm.env.keys() if env.get(k) != warm.env.get(k))
     return None, f"new job ({'environment changed: ' + ', '.join(changed) if changed else 'the prestarted one died'})"
 
 
