@@ -57,6 +57,10 @@ def configure_environment() -> None:
         "TRITON_INTERPRET": "0" if cuda else "1",
         "MLFLOW_DISABLE_TELEMETRY": "true",
         "DO_NOT_TRACK": "1",
+        # DVC's analytics daemon opens the repository in the background after a command (e.g. `dvc init`) and
+        # writes its state databases at a time of its own: besides reporting to the network, that broke
+        # "bad input writes nothing" now and then
+        "DVC_NO_ANALYTICS": "1",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_LOGGING_LEVEL": "WARNING",
         # the temporary local API can take long to start on a loaded 2-core machine (default 20 s)
