@@ -98,9 +98,9 @@ def test_temporary_prefect_api_starts_answers_and_stops(tmp_path):
     assert (tmp_path / "prefect.db").exists()
 
 
-def test_two_temporary_apis_on_a_fresh_database_take_turns(tmp_path):
+def test_temporary_apis_started_at_once_on_a_fresh_database_take_turns(tmp_path):
     """Each migrates the same new database while it boots: without turns, one of three failed in about one try of
-    four here (alembic: "expected to match one row"), and two in CI (stop 18)."""
+    four here (alembic: "expected to match one row"); two runs at once failed CI (stop 18)."""
     runs = [_start_api(tmp_path) for _ in range(3)]
     errs = [run.communicate(timeout=300)[1] for run in runs]
     assert [run.returncode for run in runs] == [0, 0, 0], "\n".join(e[-3000:] for e in errs)
