@@ -28,6 +28,22 @@ class PaperParams(BaseModel):
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage; 0-2 on CPU.")
     bf16: bool = Field(False, description="bf16 training (GPUs only; fp32 on CPU).")
     checkpoint_every: int = Field(50, ge=1, description="Training steps between committed checkpoints.")
+    replicates: int = Field(1, ge=1, le=100, description="Independent replicates (seeds seed, seed+1, ...) the "
+                            "claim is decided over; test 1, smoke and full >= 3 (DESIGN.md, Verdicts).")
+    inputs: dict[str, InputSpec] = Field(default_factory=dict, description="Real data a (full) profile reads: "
+                                         "name -> where it lies and how to get it (`paperline data <id>`).")
+
+
+class InputSpec(BaseModel):
+    """One real dataset or checkpoint a profile reads from disk; it enters DVC like any stage input."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(description="Local path (file or folder), relative to the project root or absolute.")
+    format: str = Field(description="On-disk format the loader reads, e.g. 'image-folder', 'cifar-binary', 'hdf5'.")
+    url: str = Field("", description="Where to get it (the command `paperline data` prints uses it).")
+    license: str = Field("", description="The dataset's license, as its publisher states it.")
+    sha256: str = Field("", description="Checksum of a single-file input, when the publisher gives one.")
 
 
 _OPS: dict[str, Callable[[float, float], bool]] = {
