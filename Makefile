@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint ui clean
+.PHONY: setup system-deps run test lint ui clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -20,8 +20,23 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(BIN)/paperline run --all --profile smoke --report
 
-test: $(STAMP)
+# Debian packages the server tests start: PostgreSQL (MLflow's backend store) and Chromium (the UIs in a browser).
+# Installed when missing and running as root; otherwise the tests that need them skip and say how to install them.
+system-deps:
+	@need=""; \
+	command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need="$$need postgresql"; \
+	command -v chromium >/dev/null || need="$$need chromium"; \
+	if [ -z "$$need" ]; then exit 0; fi; \
+	if [ "$$(id -u)" != 0 ]; then \
+	  echo "note: missing Debian packages:$$need (sudo apt-get install$$need); the tests that need them skip"; exit 0; fi; \
+	echo "installing Debian packages:$$need"; \
+	export DEBIAN_FRONTEND=noninteractive; \
+	apt-get install -y -q $$need >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q $$need >/dev/null; }
+
+# The suite, then the linter: exactly what CI runs (.ci/run)
+test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q
+	$(BIN)/ruff check .
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -19,13 +19,27 @@ from tests.conftest import PROJECT
 pytestmark = pytest.mark.e2e
 
 
+def postgres_bin() -> str:
+    """The folder of PostgreSQL's server binaries (Debian keeps them off PATH, in /usr/lib/postgresql/<v>/bin).
+    `make test` installs PostgreSQL when run as root; otherwise a test without it skips and says how to install it."""
+    found = shutil.which("pg_ctl")
+    if found:
+        return str(Path(found).parent)
+    versions = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"), key=lambda p: int(p.parts[-3]))
+    if versions:
+        return str(versions[-1].parent)
+    if os.geteuid() != 0:
+        pytest.skip("needs PostgreSQL's server: sudo apt-get install postgresql (or run `make test` as root)")
+    raise AssertionError("PostgreSQL is missing although running as root: `make test` installs it (make system-deps)")
+
+
 def test_pipeline_tracks_into_mlflow_server_on_postgres(workspace, monkeypatch, prefect_harness):
-    assert shutil.which("initdb") or shutil.which("pg_ctl"), "PostgreSQL server binaries missing (.ci/run installs)"
+    pg_env = {**os.environ, "PATH": postgres_bin() + os.pathsep + os.environ["PATH"]}
     # not under tmp_path: pytest's folders are private to root, and PostgreSQL runs as its own user
     state, pg_port, ml_port = Path(tempfile.mkdtemp(prefix="paperline-tracking-")), free_port(), free_port()
     state.chmod(0o755)
     out = subprocess.run([str(PROJECT / "infra" / "postgres-mlflow.sh"), str(state), str(pg_port), str(ml_port)],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, env=pg_env)
     try:
         assert out.returncode == 0, out.stdout + out.stderr
         uri = out.stdout.strip().split("=", 1)[1]
@@ -44,8 +58,24 @@ def test_pipeline_tracks_into_mlflow_server_on_postgres(workspace, monkeypatch, 
                 os.kill(int(pid_file.read_text()), signal.SIGTERM)
         stop = ["pg_ctl", "-D", str(state / "pg"), "-m", "fast", "stop"]
         subprocess.run((["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []) + stop,
-                       capture_output=True, timeout=60)
+                       capture_output=True, timeout=60, env=pg_env)
         shutil.rmtree(state, ignore_errors=True)
+
+
+def test_missing_packages_skip_with_how_to_install_when_not_root(monkeypatch):
+    """A user who is not root and lacks a Debian package gets a skip that says how to install it, not a failure."""
+    import tests.test_ui_browser as browser_test
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(Path, "glob", lambda self, pattern: iter(()))
+    with pytest.raises(pytest.skip.Exception, match="apt-get install postgresql"):
+        postgres_bin()
+    with pytest.raises(pytest.skip.Exception, match="apt-get install chromium"):
+        browser_test.chromium_binary()
+    monkeypatch.setattr(os, "geteuid", lambda: 0)  # root: `make test` should have installed it
+    with pytest.raises(AssertionError, match="make system-deps"):
+        postgres_bin()
 
 
 def test_unreachable_tracking_server_fails_before_any_work(workspace, monkeypatch):
