@@ -1,4 +1,4 @@
-"""The `paperline` command: list, run, reproduce, report, promote, ui, serve, server.
+"""The `paperline` command: list, run, reproduce, report, data, promote, ui, serve, server.
 
 Bad input exits with code 2 before any work."""
 
@@ -139,6 +139,29 @@ def report(
     md, html = morning.write(morning.morning(window, "smoke" if profile == "any" else profile), since)
     typer.echo(md.read_text())
     typer.echo(f"morning report written to {md} and {html}")
+
+
+@app.command()
+def data(
+    papers: Annotated[list[str] | None, typer.Argument(help="Paper ids.")] = None,
+    all_papers: Annotated[bool, typer.Option("--all", help="Table of every paper; writes reports/data.md.")] = False,
+    profile: Annotated[str, typer.Option(help="test | smoke | full")] = "full",
+) -> None:
+    """The real data a profile reads: declared inputs, which are on disk, and the commands that bring them in."""
+    from flows import data_inputs
+
+    try:
+        if all_papers:
+            out = data_inputs.write_report(settings.params_file(), settings.root() / "reports" / "data.md", profile)
+            typer.echo(out.read_text())
+            typer.echo(f"written to {out}")
+            return
+        if not papers:
+            _fail("name paper ids or pass --all")
+        for pid in papers:
+            typer.echo(data_inputs.describe(pid, profile, settings.params_file()))
+    except registry.ConfigError as e:
+        _fail(str(e))
 
 
 @app.command()

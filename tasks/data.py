@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from models.contract import Paper, PaperParams
+from models.inputs import input_path
 from tasks import settings
 
 DEFAULT_PROFILE = "smoke"
@@ -73,6 +74,9 @@ def stage_for(paper: Paper, profile: str, params: PaperParams, raw_params: dict,
     deps = [os.path.relpath(root / "models" / f"{paper.id}.py", folder),
             os.path.relpath(root / "models" / "common", folder),  # shared generators
             os.path.relpath(root / "tasks" / "prepare_stage.py", folder)]
+    # the profile's real data (models/inputs.py): replacing it reruns prepare, like any other stage input
+    deps += [os.path.relpath(p, folder) if p.is_relative_to(root) else str(p)
+             for p in (input_path(spec.path) for spec in params.inputs.values())]
     stage_spec = {"cmd": f"python -m tasks.prepare_stage {paper.id} params data",
                   "deps": deps, "params": ["params"], "outs": ["data"]}
     _write_if_changed(folder / "params.yaml", yaml.safe_dump({"params": params.model_dump(mode="json")},
