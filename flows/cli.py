@@ -67,15 +67,15 @@ def run(
 
             read_hostfile(Path(hostfile))
             os.environ["PAPERLINE_HOSTFILE"] = str(Path(hostfile).resolve())
-        for pid in ids:
+        for pid in ids:  # ids, profile and keys, before anything is imported
             registry.raw_params(pid, profile, overrides, settings.params_file())
         if tracking.store_exists():  # a server, or the embedded store (whose first use creates it)
             tracking.check_reachable()
         # unchanged work answers from MLflow at once, before Prefect starts or any paper is imported
         reused = {} if force else lookup(ids, profile, overrides)
         todo = [pid for pid in ids if pid not in reused]
-        # every id, profile and override checked before any work
-        resolved = [registry.resolve(pid, profile, overrides, settings.params_file()) for pid in todo]
+        # every run resolved once (values checked, real inputs present) before any work; handed down as is
+        requests = [registry.request(pid, profile, overrides, settings.params_file()) for pid in todo]
     except registry.ConfigError as e:
         _fail(str(e))
     except RuntimeError as e:  # the tracking store is unreachable
@@ -89,12 +89,12 @@ def run(
 
         # both boot in the background while Prefect and the flows import (benchmarks/README.md, overhead)
         local_api.start()
-        prestart(todo[0], resolved[0])
+        prestart(todo[0], requests[0].params)
         from flows.pipeline import run_papers
 
         try:
             local_api.wait_ready()
-            ran = {r["paper"]: r for r in run_papers(todo, profile, overrides, force, parallel)}
+            ran = {r["paper"]: r for r in run_papers(requests, force, parallel)}
         except Exception as e:  # noqa: BLE001 - one paper's run failed: say what, not a traceback
             _fail(f"{todo[0]} failed: {type(e).__name__}: {tracking.mask(str(e))} (its MLflow run is marked FAILED; "
                   "finished work is kept and a rerun continues it)", code=1)
@@ -104,7 +104,7 @@ def run(
         typer.echo("\nsummary:")
         for r in results:
             status = f"FAILED {r['error']}" if "error" in r else \
-                f"{'holds' if r['holds'] else 'does not hold'}{' (reused)' if r['reused'] else ''}"
+                f"{r['verdict']}{' (reused)' if r['reused'] else ''}"
             typer.echo(f"  {r['paper']:24s} {status}")
     if report:
         _write_report(profile)
