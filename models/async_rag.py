@@ -64,6 +64,7 @@ from models.common.lm import TinyLM, WordVocab
 from models.common.plots import roc_curves
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
+from models.inputs import input_path
 
 SPECIAL = ("<q>", "</q>", "<a>", "</a>", "<doc>", "</doc>")
 ARMS = ("method", "sync_single", "sync_active", "heuristic_async", "no_retrieval")
@@ -184,7 +185,7 @@ def load_qa(p: Params) -> tuple[dict, dict]:
     """HotpotQA / 2WikiMultihopQA (JSON list: question, answer, supporting_facts, context) or MuSiQue (JSONL:
     question, answer, paragraphs[{title, paragraph_text, is_supporting}]); one passage per paragraph, deduplicated
     by text; `passages_path` (JSONL {id, text}) adds distractor passages. The last n_test questions are the test."""
-    text = Path(p.dataset_path).read_text()
+    text = input_path(p.dataset_path).read_text()
     rows = json.loads(text) if p.dataset in ("hotpotqa", "2wiki") else [json.loads(x) for x in text.splitlines() if x]
     kb = {c: [] for c in ("fact_id", "domain", "subject", "relation", "object", "passage")}
     index: dict[str, int] = {}
@@ -210,7 +211,7 @@ def load_qa(p: Params) -> tuple[dict, dict]:
         qa["answer"].append(_norm(row["answer"]) + " .")
         qa["gold_fact_ids"].append(" ".join(map(str, gold)))
     if p.passages_path:
-        for line in Path(p.passages_path).read_text().splitlines():
+        for line in input_path(p.passages_path).read_text().splitlines():
             if line.strip():
                 item = json.loads(line)
                 add(item.get("title", ""), item["text"])

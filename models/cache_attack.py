@@ -55,6 +55,7 @@ from scipy.stats import spearmanr
 from models.common.lm import SentenceEncoder, WordVocab, info_nce
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
+from models.inputs import input_path
 
 MARKER = "[HIJACK-MARKER]"
 EMBEDDERS = ("e1", "e2", "e3", "e4")
@@ -166,7 +167,7 @@ def load_qqp(path: Path, n_intents: int) -> tuple[list[tuple[str, str]], list[li
 def prepare(p: Params, out_dir: Path) -> None:
     rng = np.random.default_rng(p.seed)
     intents, texts = (template_corpus(p, rng) if p.dataset == "templates"
-                      else load_qqp(Path(p.qqp_path), p.n_intents))
+                      else load_qqp(input_path(p.qqp_path), p.n_intents))
     cols = {c: [] for c in ("query_id", "intent", "domain", "text", "role")}
     for (name, domain), paras in zip(intents, texts, strict=True):
         for j, t in enumerate(paras):

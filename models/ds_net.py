@@ -64,6 +64,7 @@ from torch import nn
 from models.common.lockstep import LockStep
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
+from models.inputs import input_path
 
 GEO = ("on", "above", "under", "near", "left of", "in front of")
 SEM = ("riding", "holding", "eating", "wearing", "looking at", "sitting on")
@@ -160,7 +161,7 @@ def draw_image(p: Params, rng: np.random.Generator, protos: np.ndarray, cue_prot
 
 def prepare(p: Params, out_dir: Path) -> None:
     if p.source == "vg150":
-        return write_tables(out_dir, *load_vg150(Path(p.vg_dir), p), p)
+        return write_tables(out_dir, *load_vg150(input_path(p.vg_dir), p), p)
     rng = np.random.default_rng(p.seed)
     protos = rng.standard_normal((p.n_classes, APP))
     cue_protos = rng.standard_normal((len(SEM), APP))

@@ -55,6 +55,7 @@ from torch import nn
 from models.common import sequences as seq
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
+from models.inputs import input_path
 
 MODELS = ("dynatok", "per_frame", "no_decoupling", "deterministic")
 KEYS = {"dynatok": "method", "per_frame": "baseline/per_frame", "no_decoupling": "baseline/no_decoupling",
@@ -159,7 +160,7 @@ def prepare(p: Params, out_dir: Path) -> None:
         levels = np.where(rng.uniform(size=p.n_sequences) < p.scene_fraction, "scene", "object")
         sequences = [synth_sequence(rng, p, lv == "scene") for lv in levels]
     else:
-        files = sorted(Path(p.dt4d_dir).rglob("*.anime"))
+        files = sorted(input_path(p.dt4d_dir).rglob("*.anime"))
         if not files:
             raise FileNotFoundError(f"no .anime files under {p.dt4d_dir!r}; set dt4d_dir to DeformingThings4D")
         sequences = []

@@ -60,6 +60,7 @@ from models.common.lm import info_nce
 from models.common.similarity import linear_cka
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
+from models.inputs import input_path
 
 TOPIC_ORDER = ("music", "law", "cooking", "astronomy", "sports", "medicine", "finance", "botany", "computing", "ocean")
 ALIGNED = ("eralign", "gcn", "infonce", "mse")  # read [h^L; P_t t]
@@ -118,7 +119,7 @@ def prepare(p: Params, out_dir: Path) -> None:
     if p.dataset == "synthetic":
         graphs = [_synthetic(spec, p, rng) for spec in (p.graph1, p.graph2)]
     else:
-        tags = [G.load_tag_folder(Path(f)) for f in p.folders[:2]]
+        tags = [G.load_tag_folder(input_path(f)) for f in p.folders[:2]]
         graphs = [(t.label, t.text, t.edges) for t in tags]
     n_cols = {c: [] for c in ("node_id", "graph_id", "label", "text", "split", "order")}
     e_cols = {c: [] for c in ("graph_id", "src", "dst", "heldout")}

@@ -76,6 +76,7 @@ from torch import nn
 from models.common.plots import split_histogram
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
+from models.inputs import input_path
 
 GROUPS = ("fedgr", "fedavg", "fedprox", "sce", "cot_a", "cot_b")  # network groups; Co-teaching trains two nets
 BASELINES = ("fedavg", "fedprox", "sce", "coteaching")
@@ -164,10 +165,10 @@ def _images(p: Params):
         n_test = round(p.test_fraction * len(y))
         return x[n_test:], None, y[n_test:], x[:n_test], y[:n_test], 10
     if p.dataset == "clothing1m":
-        xtr, noisy, clean, xte, yte = load_clothing1m(Path(p.dataset_dir), p.image_size)
+        xtr, noisy, clean, xte, yte = load_clothing1m(input_path(p.dataset_dir), p.image_size)
         return xtr, noisy, clean, xte, yte, 14
     k = 10 if p.dataset == "cifar10" else 100
-    xtr, ytr, xte, yte = load_cifar(Path(p.dataset_dir), k)
+    xtr, ytr, xte, yte = load_cifar(input_path(p.dataset_dir), k)
     order = rng.permutation(len(ytr))[: p.n_samples or None]
     return xtr[order], None, ytr[order], xte, yte, k
 

@@ -57,6 +57,7 @@ from models.common import graphs as G
 from models.common.lm import TinyLM
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
+from models.inputs import input_path
 
 ALPHABET = "\0 abcdefghijklmnopqrstuvwxyz0123456789()|;:?-.,"  # index 0 pads
 STOI = {c: i for i, c in enumerate(ALPHABET)}
@@ -139,7 +140,7 @@ def prepare(p: Params, out_dir: Path) -> None:
             graphs.append(("test", "karate", labels, np.asarray(sorted(kc.edges())), chosen, texts))
     else:
         for split, folder in [("train", p.train_dir)] + [("test", f) for f in p.test_dirs]:
-            tag = G.load_tag_folder(Path(folder))
+            tag = G.load_tag_folder(input_path(folder))
             graphs.append((split, Path(folder).name, tag.label, tag.edges, tag.label_names, tag.text))
     texts_all = [t for g in graphs for t in g[5]]
     names_all = sorted({n for g in graphs for n in g[4]})

@@ -25,9 +25,9 @@ from models.contract import InputSpec, PaperParams
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 # single-file formats `dvc import-url` brings in as they are; archives and landing pages need a manual step
-_ARCHIVES = (".tar", ".tar.gz", ".tgz", ".zip", ".tar.bz2", ".7z")
+_ARCHIVES = (".tar", ".tar.gz", ".tgz", ".zip", ".tar.bz2", ".7z", ".gz")
 _FILES = (".h5", ".hdf5", ".json", ".jsonl", ".tsv", ".csv", ".parquet", ".npz", ".npy", ".sdf", ".txt", ".pt",
-          ".pth", ".safetensors", ".h5ad", ".pkl", ".gz")
+          ".pth", ".safetensors", ".h5ad", ".pkl")
 
 # paper id -> why its full profile reads no file from disk (shown by `paperline data`; tests/test_inputs.py checks
 # that every paper either declares inputs in its full profile or stands here, never both)

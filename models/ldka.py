@@ -66,6 +66,7 @@ from torch import nn
 from models.common.lockstep import LockStep
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
+from models.inputs import input_path
 
 SHAPES = ("disk", "square", "triangle", "diamond")
 BASE_COLOURS = np.array([[0.9, 0.2, 0.2], [0.2, 0.8, 0.3], [0.25, 0.35, 0.95], [0.95, 0.85, 0.2]])
@@ -163,7 +164,7 @@ def prepare(p: Params, out_dir: Path) -> None:
         scenes = [render_scene(rng, p) for _ in range(p.n_train + p.n_test)]
         pools = ["train"] * p.n_train + ["test"] * p.n_test
     else:
-        scenes, pools = (load_voc if p.source == "voc" else load_ade20k)(Path(p.data_root), p.image_size)
+        scenes, pools = (load_voc if p.source == "voc" else load_ade20k)(input_path(p.data_root), p.image_size)
     write_table(out_dir / "images.parquet", {"img_id": np.arange(len(scenes)), "pool": np.asarray(pools),
                                              "pixels": np.stack([s[0].reshape(-1) for s in scenes])})
     write_table(out_dir / "masks.parquet", {"img_id": np.arange(len(scenes)),

@@ -59,6 +59,7 @@ from torch import nn
 
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
+from models.inputs import input_path
 
 NOISE = {"A": {"+": 0.0, "*": 0.4, "-": 0.2}, "B": {"+": 0.4, "*": 0.0, "-": 0.2}, "C": {"+": 0.2, "*": 0.2, "-": 0.2}}
 TEAMS = {"homogeneous": ("A0", "A1", "A2"), "heterogeneous": ("A0", "B", "C")}  # pretrained agents
@@ -102,7 +103,7 @@ def load_jsonl(path: Path) -> list[tuple[str, int]]:
 def _questions(p: Params) -> list[tuple[str, int, str]]:
     """(text, answer digit, operators) for every question."""
     if p.dataset == "jsonl":
-        return [(q, a % 10, "+") for q, a in load_jsonl(Path(p.jsonl_path))]
+        return [(q, a % 10, "+") for q, a in load_jsonl(input_path(p.jsonl_path))]
     out = []
     ops = "+*-"
     if p.n_operands == 2:

@@ -59,6 +59,7 @@ from torch import nn
 from models.common import sequences as seq
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
+from models.inputs import input_path
 
 CLASSES = ("walk", "run", "squat", "wave", "turn", "idle")
 MODELS = ("method", "baseline/no_mrn", "baseline/direct", "baseline/single_scale")
@@ -162,8 +163,8 @@ def amass_joints(poses: np.ndarray, trans: np.ndarray, betas: np.ndarray, body: 
 
 def load_amass(p: Params) -> tuple[list[np.ndarray], list[str], list[bool]]:
     """Windows (T, J, 3) of every .npz under amass_dir, their subset name, and whether their file is held out."""
-    body = dict(np.load(p.body_model))
-    files = sorted(Path(p.amass_dir).rglob("*.npz"))
+    body = dict(np.load(input_path(p.body_model)))
+    files = sorted(input_path(p.amass_dir).rglob("*.npz"))
     if not files:
         raise FileNotFoundError(f"no .npz files under {p.amass_dir!r}; set amass_dir to the AMASS folder")
     rng = np.random.default_rng(p.seed)

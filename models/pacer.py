@@ -130,9 +130,11 @@ def prepare(p: Params, out_dir: Path) -> None:
     rng = np.random.default_rng(p.seed)
     graphs = []  # (name, blocks of samples, their targets, held-out flags, true weights)
     if p.dataset == "sachs":
-        blocks, targets, names = load_condition_csvs(Path(p.dataset_dir))
+        from models.inputs import input_path  # relative paths: from the project root
+
+        blocks, targets, names = load_condition_csvs(input_path(p.dataset_dir))
         truth = np.zeros((len(names), len(names)))
-        for line in (Path(p.dataset_dir) / "truth.csv").read_text().splitlines()[1:]:
+        for line in (input_path(p.dataset_dir) / "truth.csv").read_text().splitlines()[1:]:
             a, b = line.split(",")[:2]
             truth[names.index(a), names.index(b)] = 1.0
         order = [i for i, t in enumerate(targets) if not t] + [i for i, t in enumerate(targets) if t]

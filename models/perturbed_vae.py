@@ -56,6 +56,7 @@ from torch import nn
 from models.common.lockstep import LockStep
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
+from models.inputs import input_path
 
 D_INV, D_P = 16, 8
 MODELS = ("pvae", "cpa", "cvae", "no_mask", "no_adv")
@@ -144,7 +145,7 @@ def load_norman_mtx(folder: Path) -> dict:
 
 
 def prepare(p: Params, out_dir: Path) -> None:
-    d = simulate(p) if p.dataset == "synthetic" else load_norman_mtx(Path(p.dataset_dir))
+    d = simulate(p) if p.dataset == "synthetic" else load_norman_mtx(input_path(p.dataset_dir))
     cell, gene = np.nonzero(d["counts"])
     write_table(out_dir / "counts.parquet", {"cell_id": cell, "gene_id": gene, "count": d["counts"][cell, gene]})
     obs = {"cell_id": np.arange(len(d["cond"])), "perturbation": d["cond"], "split": d["split"],

@@ -71,6 +71,7 @@ from models.common.diffusion import ddim_sample, ddpm_scheduler, q_sample  # noq
 from models.common.similarity import linear_cka  # noqa: E402
 from models.common.tables import read_table, write_table  # noqa: E402
 from models.contract import Claim, Compare, Paper, PaperParams  # noqa: E402
+from models.inputs import input_path
 
 LETTERS = "ACDEFGHIKLMNPQRSTVWY"
 HINGE = {"intrinsic": "G", "ligand": "P", "protein": "N"}  # the hinge letter decides how the hinge is gated
@@ -146,7 +147,7 @@ def _context(mechanism: str, present: bool, rng: np.random.Generator) -> str:
 
 def prepare(p: Params, out_dir: Path) -> None:
     if p.source == "mmcif":
-        targets, coords = load_mmcif_set(Path(p.mmcif_dir))
+        targets, coords = load_mmcif_set(input_path(p.mmcif_dir))
     else:
         targets, coords = _synthetic(p)
     write_table(out_dir / "targets.parquet", targets)

@@ -65,6 +65,7 @@ from models.common import diffusion as dm
 from models.common.distill import ConvNet3, augment, herding, load_cifar10, load_imagenette, mmd2, rbf
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
+from models.inputs import input_path
 
 ARMS = ("protovar", "random_real", "herding", "diffusion", "plain_var", "protovar_no_selector")
 
@@ -124,10 +125,10 @@ def prepare(p: Params, out_dir: Path) -> None:
         x = F.interpolate(x, size=p.image_size, mode="bilinear", align_corners=False).clamp(0, 1).numpy()
         y, is_test = d.target.astype(np.int64), None
     elif p.dataset == "cifar10":
-        x, y, is_test = load_cifar10(Path(p.dataset_dir))
+        x, y, is_test = load_cifar10(input_path(p.dataset_dir))
         x = F.interpolate(torch.from_numpy(x), size=p.image_size, mode="bilinear", align_corners=False).numpy()
     else:
-        x, y, is_test = load_imagenette(Path(p.dataset_dir), p.image_size)
+        x, y, is_test = load_imagenette(input_path(p.dataset_dir), p.image_size)
     keep = rng.permutation(np.flatnonzero(y < p.n_classes))[: p.n_images or None]
     x, y = x[keep], y[keep]
     if is_test is None:  # digits: the last n_test of the shuffle are the test split

@@ -61,6 +61,7 @@ from torch import nn
 from models.common.plots import roc_curves
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
+from models.inputs import input_path
 
 ATTACKS = ("quantile", "lira_online", "lira_offline", "global_threshold")
 
@@ -136,7 +137,7 @@ def prepare(p: Params, out_dir: Path) -> None:
         digits = load_digits()
         images, labels = (digits.images / 16.0).astype(np.float32)[:, None], digits.target.astype(np.int64)
     else:
-        images, labels = load_cifar10(Path(p.dataset_dir))
+        images, labels = load_cifar10(input_path(p.dataset_dir))
     order = rng.permutation(len(labels))[: p.n_sources or None]
     images, labels = images[order], labels[order]
     roles = assign_roles(labels, p.held_out_class, p.member_fraction, rng)

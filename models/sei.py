@@ -80,7 +80,9 @@ def _load_images(p: Params) -> tuple[np.ndarray, np.ndarray, int]:
     if p.dataset == "digits":
         digits = load_digits()
         return (digits.data / 16.0).astype(np.float32), digits.target.astype(np.int64), 10
-    return load_image_folder(Path(p.dataset_dir), p.image_size)
+    from models.inputs import input_path  # relative paths: from the project root
+
+    return load_image_folder(input_path(p.dataset_dir), p.image_size)
 
 
 def load_image_folder(folder: Path, size: int) -> tuple[np.ndarray, np.ndarray, int]:

@@ -58,6 +58,7 @@ from models.common.lm import TinyLM, WordVocab
 from models.common.sequences import SKELETON, forward_kinematics
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
+from models.inputs import input_path
 
 ACTIONS = ("wave_l", "wave_r", "kick_l", "kick_r", "squat", "jump", "arm_circle", "bow")
 PARTNER = {"wave_l": "wave_r", "wave_r": "wave_l", "kick_l": "kick_r", "kick_r": "kick_l", "squat": "jump",
@@ -209,7 +210,7 @@ def load_kinetics_json(path: Path) -> tuple[np.ndarray, int]:
 
 
 def _real_sequences(p: Params) -> tuple[list[np.ndarray], list[str], str]:
-    root = Path(p.data_root)
+    root = input_path(p.data_root)
     if p.source == "ntu":
         files = sorted(root.glob("*.skeleton"))
         return [load_ntu_skeleton(f) for f in files], [f"class {int(f.stem[-3:])}" for f in files], "A"

@@ -58,6 +58,7 @@ from models.common.diffusion import (
 )
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
+from models.inputs import input_path
 
 ARMS = ("tight", "edm", "edm_cond", "global_tight", "cosine")
 CONDITIONED = {"tight", "edm_cond", "global_tight"}
@@ -168,7 +169,8 @@ def prepare(p: Params, out_dir: Path) -> None:
         log_a, alpha = rng.uniform(*p.log_a_range, p.n_images), rng.uniform(*p.alpha_range, p.n_images)
         images = gaussian_random_fields(p.n_images, p.image_size, log_a, alpha, rng)
     else:
-        images = load_cifar10(Path(p.dataset_dir)) if p.dataset == "cifar10" else load_imagenet64(Path(p.dataset_dir))
+        folder = input_path(p.dataset_dir)
+        images = load_cifar10(folder) if p.dataset == "cifar10" else load_imagenet64(folder)
         images = images[rng.permutation(len(images))[: p.n_images]]
     spectrum = radial_spectrum(images)
     codes = fit_power_law(spectrum)

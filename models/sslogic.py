@@ -62,6 +62,7 @@ from torch import nn
 from models.common.lm import TinyLM
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
+from models.inputs import input_path
 
 ARMS = ("evolved", "seed_only", "no_gate", "external_only", "external_plus_evolved")
 OPERATORS = ("compose", "conditional", "gradient")
@@ -465,7 +466,7 @@ def prepare(p: Params, out_dir: Path) -> None:
             for c, v in zip(ev, (fid, cat, dif, pr, ans, repr(by_id[fid]["prog"]), json.dumps(config)), strict=True):
                 ev[c].append(v)
     if p.dataset == "jsonl":  # real suites replace the synthetic held-out and external sets
-        ev, ext = load_jsonl_suites(Path(p.eval_path), Path(p.external_path) if p.external_path else None)
+        ev, ext = load_jsonl_suites(input_path(p.eval_path), input_path(p.external_path) if p.external_path else None)
         if ext["prompt"]:
             inst = read_table(out_dir / "instances.parquet")
             keep = {c: [v for v, pool in zip(inst[c], inst["pool"], strict=True) if pool != "external_only"]

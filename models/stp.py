@@ -60,6 +60,7 @@ from torch import nn
 
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
+from models.inputs import input_path
 
 ELEMENTS = ("H", "C", "N", "O", "F")
 VALENCE = {"H": 1, "C": 4, "N": 3, "O": 2, "F": 1}
@@ -153,7 +154,7 @@ def prepare(p: Params, out_dir: Path) -> None:
     from rdkit import Chem
 
     if p.dataset == "sdf":
-        mols = load_sdf(Path(p.sdf_path), p.n_molecules, p.hydrogens)
+        mols = load_sdf(input_path(p.sdf_path), p.n_molecules, p.hydrogens)
     else:
         allowed = set(p.elements) | {"C"}
         by_size: dict[int, list[str]] = {}

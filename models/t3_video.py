@@ -191,7 +191,9 @@ def prepare(p: Params, out_dir: Path) -> None:
     n = p.n_train + p.n_test
     high = 2 * p.size_low
     if p.clip_dir:  # real clips: classes are the distinct captions (the first four), in sorted order
-        vids, captions = load_clip_folder(Path(p.clip_dir), p.n_frames, high)
+        from models.inputs import input_path  # relative paths: from the project root
+
+        vids, captions = load_clip_folder(input_path(p.clip_dir), p.n_frames, high)
         names = sorted(set(captions))[: len(CLASSES)]
         keep = [i for i, c in enumerate(captions) if c in names]
         vids, labels, meta = vids[keep], [names.index(captions[i]) for i in keep], [{}] * len(keep)

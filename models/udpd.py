@@ -60,6 +60,7 @@ from models.common import graphs as G
 from models.common.diffusion import ddpm_scheduler
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
+from models.inputs import input_path
 
 BASELINES = ("mlp", "gcn", "gat", "concat")
 ABLATIONS = ("const_lambda", "no_diffusion")
@@ -120,7 +121,7 @@ def prepare(p: Params, out_dir: Path) -> None:
                 graphs.append((eta_t, eta_e, labels, texts, noisy, edges, is_noise, split, f"t{eta_t:g}_e{eta_e:g}"))
     else:
         for folder in p.folders:
-            tag = G.load_tag_folder(Path(folder))
+            tag = G.load_tag_folder(input_path(folder))
             graphs.append((0.0, 0.0, tag.label, tag.text, np.zeros(len(tag.label), bool), tag.edges,
                            np.zeros(len(tag.edges), bool), tag.split, Path(folder).name))
     texts_all = [t for g in graphs for t in g[3]]

@@ -56,6 +56,7 @@ from torch import nn
 from models.common.lm import BPETokenizer, TinyLM, train_bpe
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
+from models.inputs import input_path
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ."
 TEMPLATES = ["D N V D N", "D A N V", "D N V P D A N", "D N R V D N", "P D N D N V", "D A N V R"]
@@ -121,7 +122,7 @@ def prepare(p: Params, out_dir: Path) -> None:
         lex = _lexicon(p, rng)
         docs = [" ".join(_sentence(lex, rng) for _ in range(rng.integers(4, 9))) for _ in range(p.docs + p.prompts)]
     else:
-        docs = load_jsonl(Path(p.jsonl_path))
+        docs = load_jsonl(input_path(p.jsonl_path))
     train_docs, held = docs[: -p.prompts], docs[-p.prompts :]
     write_table(out_dir / "corpus.parquet", {"doc_id": np.arange(len(train_docs)), "text": train_docs})
     prompts = [d.split(".")[0] + "." for d in held]  # the first sentence of a held-out document
