@@ -14,6 +14,13 @@ additions are not associative. TBIK fixes ONE reduction tree that does not depen
 - a shard of K / p owns 16 / p whole segments, a complete subtree, and returns its root in fp32, uncast; the
   "all-reduce" adds the p roots by the upper levels of the same tree and casts once.
 
+The kernel makes one pass per shard: a program owns a (BM, BN) output tile, walks the shard's K tiles in order and
+merges partial sums up the tree in registers, with two binary counters of accumulators (leaves within a segment,
+segment roots within the shard); it stores only the shard's root, so a shard writes M x N fp32 once. Only the
+tensor-parallel merge runs outside: `tree_merge` (simulated ranks) or `tbik_matmul_distributed` (a real
+torch.distributed group: all-gather of the roots, pairwise adds in tree order, one cast). BK is fixed; BM, BN,
+num_warps and num_stages are autotuned on GPUs (one config when interpreted).
+
 So `tbik_matmul(x, w, p)` is bitwise the same for p in TP_SIZES = (1, 2, 4, 8, 16), any M and N, and any K that 16
 divides. `tbik_sum` reduces the last dimension (an RMSNorm sum of squares, a softmax denominator over a
 vocabulary-parallel lm_head) with the same tree. fp32 and bf16 inputs.
@@ -208,61 +215,87 @@ def _fold(s0, s1, s2, s3, s4, s5, n, DEPTH: tl.constexpr):
     return r
 
 
+def _matmul_configs() -> list:
+    """Tile configs of the shard kernel. BK is not among them: it fixes the leaves, hence the reduction order. BM and
+    BN only choose which outputs a program owns, num_warps / num_stages how it is scheduled; every config computes
+    the same trees (`test_every_tile_config_gives_the_same_bits`, compiled, checks that the leaf dot does not change
+    with them either). Interpreted, one small config: the autotuner then benchmarks nothing."""
+    if INTERPRET:
+        return [triton.Config({"BM": 16, "BN": 32}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=st)
+            for bm, bn, w, st in [(64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3),
+                                  (64, 64, 8, 4), (64, 128, 8, 4), (128, 128, 8, 2), (128, 64, 8, 4)]]
+
+
+# Keyed on what every TP size shares (M, N, the segment width, the dtypes), not on the shard's K: in one process
+# all TP sizes run with the config the first call picked.
+@triton.autotune(configs=_matmul_configs(), key=["M", "N", "seg_len"])
 @triton.jit
-def _segment_matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, seg_len, n_leaves,
-                           stride_xm, stride_xk, stride_wk, stride_wn,
-                           BM: tl.constexpr, BN: tl.constexpr, BK_: tl.constexpr, UPCAST: tl.constexpr,
-                           DEPTH: tl.constexpr):
-    """One program = one (BM, BN) tile of one segment's root: its leaves, one tl.dot each, added by the tree."""
-    pid_m, pid_n, seg = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+def _shard_matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, seg_len, n_leaves, n_segments,
+                         stride_xm, stride_xk, stride_wk, stride_wn,
+                         BM: tl.constexpr, BN: tl.constexpr, BK_: tl.constexpr, UPCAST: tl.constexpr,
+                         DEPTH: tl.constexpr, SDEPTH: tl.constexpr, GROUP_M: tl.constexpr):
+    """One program = one (BM, BN) output tile of one shard, in one pass: it walks the shard's n_segments * n_leaves
+    K tiles in order; a leaf (one fixed-shape tl.dot) is pushed into the leaf counter (slots s*), a segment's root,
+    folded from it, into the segment counter (slots t*); the program stores only the shard's subtree root.
+    Program axis 1 is the shard (several simulated ranks in one launch; a real rank launches one)."""
+    pid, shard = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    group = pid // (GROUP_M * grid_n)  # grouped order: programs that run together share rows of x (L2 reuse)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * grid_n)) % size_m
+    pid_n = (pid % (GROUP_M * grid_n)) // size_m
     rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)  # int64 offsets: no int32 overflow checks when interpreted
     rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK_).to(tl.int64)
     zero = tl.zeros((BM, BN), dtype=tl.float32)
     s0, s1, s2, s3, s4, s5 = zero, zero, zero, zero, zero, zero
-    for leaf in range(0, n_leaves):
-        kk = leaf * BK_ + rk  # position inside the segment; past seg_len = zero padding
-        k_abs = seg * seg_len + kk
-        a = tl.load(x_ptr + rm[:, None] * stride_xm + k_abs[None, :] * stride_xk,
-                    mask=(rm[:, None] < M) & (kk[None, :] < seg_len), other=0.0)  # (BM, BK)
-        b = tl.load(w_ptr + k_abs[:, None] * stride_wk + rn[None, :] * stride_wn,
-                    mask=(kk[:, None] < seg_len) & (rn[None, :] < N), other=0.0)  # (BK, BN)
-        if UPCAST:
-            v = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        else:
-            v = tl.dot(a, b, out_dtype=tl.float32)
-        s0, s1, s2, s3, s4, s5 = _push(s0, s1, s2, s3, s4, s5, v, leaf, DEPTH)
-    root = _fold(s0, s1, s2, s3, s4, s5, n_leaves, DEPTH)
-    out = out_ptr + seg * M * N + rm[:, None] * N + rn[None, :]
-    tl.store(out, root, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    t0, t1, t2, t3, t4, t5 = zero, zero, zero, zero, zero, zero
+    m_ok, n_ok = rm[:, None] < M, rn[None, :] < N
+    for seg in range(0, n_segments):
+        k_seg = (shard * n_segments + seg) * seg_len
+        for leaf in range(0, n_leaves):  # stale slots need no reset: a push or fold reads only slots it filled
+            kk = leaf * BK_ + rk  # position inside the segment; past seg_len = zero padding
+            k_abs = k_seg + kk
+            a = tl.load(x_ptr + rm[:, None] * stride_xm + k_abs[None, :] * stride_xk,
+                        mask=m_ok & (kk[None, :] < seg_len), other=0.0)  # (BM, BK)
+            b = tl.load(w_ptr + k_abs[:, None] * stride_wk + rn[None, :] * stride_wn,
+                        mask=(kk[:, None] < seg_len) & n_ok, other=0.0)  # (BK, BN)
+            if UPCAST:
+                v = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            else:
+                v = tl.dot(a, b, out_dtype=tl.float32)
+            # v has several uses below, so the compiler cannot fold an addition into the dot's accumulator
+            s0, s1, s2, s3, s4, s5 = _push(s0, s1, s2, s3, s4, s5, v, leaf, DEPTH)
+        root = _fold(s0, s1, s2, s3, s4, s5, n_leaves, DEPTH)
+        t0, t1, t2, t3, t4, t5 = _push(t0, t1, t2, t3, t4, t5, root, seg, SDEPTH)
+    out = _fold(t0, t1, t2, t3, t4, t5, n_segments, SDEPTH)
+    tl.store(out_ptr + shard * M * N + rm[:, None] * N + rn[None, :], out, mask=m_ok & n_ok)
 
 
 @triton.jit
-def _segment_sum_kernel(x_ptr, out_ptr, R, seg_len, n_leaves, stride_r, BR: tl.constexpr, BK_: tl.constexpr,
-                        DEPTH: tl.constexpr):
-    """One program = BR rows of one segment: leaves of BK_ elements (one tl.sum each), added by the tree."""
-    pid, seg = tl.program_id(0), tl.program_id(1).to(tl.int64)
+def _shard_sum_kernel(x_ptr, out_ptr, R, seg_len, n_leaves, n_segments, stride_r, BR: tl.constexpr,
+                      BK_: tl.constexpr, DEPTH: tl.constexpr, SDEPTH: tl.constexpr):
+    """One program = BR rows of one shard, in one pass: leaves of BK_ elements (one tl.sum each) into the leaf
+    counter, segment roots into the segment counter; stores the shard's root. Not autotuned: tl.sum's internal order
+    follows the tile layout, so BR and num_warps stay fixed."""
+    pid, shard = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rr = pid.to(tl.int64) * BR + tl.arange(0, BR)
     rk = tl.arange(0, BK_).to(tl.int64)
     zero = tl.zeros((BR,), dtype=tl.float32)
     s0, s1, s2, s3, s4, s5 = zero, zero, zero, zero, zero, zero
-    for leaf in range(0, n_leaves):
-        kk = leaf * BK_ + rk
-        v = tl.load(x_ptr + rr[:, None] * stride_r + (seg * seg_len + kk)[None, :],
-                    mask=(rr[:, None] < R) & (kk[None, :] < seg_len), other=0.0)
-        s0, s1, s2, s3, s4, s5 = _push(s0, s1, s2, s3, s4, s5, tl.sum(v.to(tl.float32), axis=1), leaf, DEPTH)
-    tl.store(out_ptr + seg * R + rr, _fold(s0, s1, s2, s3, s4, s5, n_leaves, DEPTH), mask=rr < R)
-
-
-@triton.jit
-def _pair_add_kernel(in_ptr, out_ptr, numel, BLOCK: tl.constexpr):
-    """One tree level: out[i] = in[2i] + in[2i + 1], each row `numel` fp32 values."""
-    i, pid = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    a = tl.load(in_ptr + (2 * i) * numel + offs, mask=mask)
-    b = tl.load(in_ptr + (2 * i + 1) * numel + offs, mask=mask)
-    tl.store(out_ptr + i * numel + offs, a + b, mask=mask)
+    t0, t1, t2, t3, t4, t5 = zero, zero, zero, zero, zero, zero
+    for seg in range(0, n_segments):
+        k_seg = (shard * n_segments + seg) * seg_len
+        for leaf in range(0, n_leaves):
+            kk = leaf * BK_ + rk
+            v = tl.load(x_ptr + rr[:, None] * stride_r + (k_seg + kk)[None, :],
+                        mask=(rr[:, None] < R) & (kk[None, :] < seg_len), other=0.0)
+            s0, s1, s2, s3, s4, s5 = _push(s0, s1, s2, s3, s4, s5, tl.sum(v.to(tl.float32), axis=1), leaf, DEPTH)
+        root = _fold(s0, s1, s2, s3, s4, s5, n_leaves, DEPTH)
+        t0, t1, t2, t3, t4, t5 = _push(t0, t1, t2, t3, t4, t5, root, seg, SDEPTH)
+    tl.store(out_ptr + shard * R + rr, _fold(t0, t1, t2, t3, t4, t5, n_segments, SDEPTH), mask=rr < R)
 
 
 @triton.jit
@@ -293,55 +326,70 @@ def _upcast(x: torch.Tensor) -> bool:
 
 
 def _depth(seg_len: int) -> int:
-    return triton.cdiv(seg_len, BK).bit_length()  # tree slots a segment's leaves need
+    return triton.cdiv(seg_len, BK).bit_length()  # leaf-counter slots a segment's leaves need
 
 
-def _tree_levels(parts: torch.Tensor) -> torch.Tensor:
-    """(P, ...) fp32 with P a power of two -> (...): the perfect pairwise tree, one `_pair_add_kernel` per level."""
-    while parts.shape[0] > 1:
-        half = parts.shape[0] // 2
-        numel = parts[0].numel()
-        out = torch.empty((half, *parts.shape[1:]), dtype=torch.float32, device=parts.device)
-        block = 1024
-        _pair_add_kernel[(half, triton.cdiv(numel, block))](parts.contiguous(), out, numel, BLOCK=block)
-        parts = out
-    return parts[0]
-
-
-def tbik_shard_root(x: torch.Tensor, w: torch.Tensor, n_segments: int, bm: int = 16, bn: int = 64) -> torch.Tensor:
-    """One rank's work: (M, K_r) @ (K_r, N) with K_r = n_segments segments -> its subtree root (M, N), fp32."""
+def shard_roots(x: torch.Tensor, w: torch.Tensor, n_shards: int, n_segments: int) -> torch.Tensor:
+    """x (M, K) @ w (K, N), K cut into n_shards shards of n_segments segments each -> (n_shards, M, N) fp32: each
+    shard's subtree root, all shards in one launch (a real rank passes its own K-slice and n_shards=1)."""
     m, k = x.shape
     n = w.shape[1]
-    seg_len = k // n_segments
-    roots = torch.empty((n_segments, m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), n_segments)
-    _segment_matmul_kernel[grid](x, w, roots, m, n, seg_len, triton.cdiv(seg_len, BK),
-                                 x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-                                 BM=bm, BN=bn, BK_=BK, UPCAST=_upcast(x), DEPTH=_depth(seg_len))
-    return _tree_levels(roots)
+    seg_len = k // (n_shards * n_segments)
+    roots = torch.empty((n_shards, m, n), dtype=torch.float32, device=x.device)
+
+    def grid(meta):
+        return triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]), n_shards
+
+    _shard_matmul_kernel[grid](x, w, roots, m, n, seg_len, triton.cdiv(seg_len, BK), n_segments,
+                               x.stride(0), x.stride(1), w.stride(0), w.stride(1), BK_=BK, UPCAST=_upcast(x),
+                               DEPTH=_depth(seg_len), SDEPTH=n_segments.bit_length(), GROUP_M=8)
+    return roots
+
+
+def tbik_shard_root(x: torch.Tensor, w: torch.Tensor, n_segments: int) -> torch.Tensor:
+    """One rank's work: (M, K_r) @ (K_r, N) with K_r = n_segments segments -> its subtree root (M, N), fp32."""
+    return shard_roots(x, w, 1, n_segments)[0]
+
+
+def tree_merge(roots: torch.Tensor | list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The all-reduce's arithmetic: the p shard roots (fp32) added pairwise by the upper levels of the tree, in rank
+    order, then one cast. Elementwise fp32 additions: the same bits on every device."""
+    roots = torch.stack(list(roots)) if isinstance(roots, list) else roots
+    return tree_sum(roots).to(dtype)
 
 
 def tbik_matmul(x: torch.Tensor, w: torch.Tensor, tp_size: int) -> torch.Tensor:
-    """x (M, K) @ w (K, N) over `tp_size` simulated row-parallel ranks; bitwise the same for every TP size."""
+    """x (M, K) @ w (K, N) over `tp_size` simulated row-parallel ranks (one launch); bitwise the same for every
+    TP size."""
     _check(x.shape[1], tp_size)
-    roots = [tbik_shard_root(xr, wr, SEGMENTS // tp_size) for xr, wr in _shards(x, w, tp_size)]
-    return _tree_levels(torch.stack(roots)).to(x.dtype)  # the all-reduce: upper tree levels in fp32, one cast
+    return tree_merge(shard_roots(x, w, tp_size, SEGMENTS // tp_size), x.dtype)
+
+
+def tbik_matmul_distributed(x_local: torch.Tensor, w_local: torch.Tensor, group=None) -> torch.Tensor:
+    """Row-parallel linear over a real torch.distributed group: this rank holds x's and w's K-slice (rank r of p:
+    columns / rows [r K / p, (r + 1) K / p)); it computes its subtree root in one pass, the roots are all-gathered
+    and merged by the tree's upper levels. Equal bitwise, on every rank, to `tbik_matmul(x, w, 1)`."""
+    import torch.distributed as dist
+
+    p = dist.get_world_size(group)
+    _check(x_local.shape[1] * p, p)
+    root = tbik_shard_root(x_local, w_local, SEGMENTS // p)
+    roots = [torch.empty_like(root) for _ in range(p)]
+    dist.all_gather(roots, root, group=group)
+    return tree_merge(roots, x_local.dtype)
 
 
 def tbik_sum(x: torch.Tensor, tp_size: int, br: int = 16) -> torch.Tensor:
     """Sum over the last dimension of x (R, D) with the canonical tree over `tp_size` shards; fp32 (R,)."""
+    x = x.contiguous()
     r_, d = x.shape
     _check(d, tp_size)
     per, seg_len = SEGMENTS // tp_size, d // SEGMENTS
-    roots = []
-    for r in range(tp_size):
-        shard = x[:, r * per * seg_len : (r + 1) * per * seg_len]
-        seg_roots = torch.empty((per, r_), dtype=torch.float32, device=x.device)
-        _segment_sum_kernel[(triton.cdiv(r_, br), per)](shard, seg_roots, r_, seg_len, triton.cdiv(seg_len, BK),
-                                                        shard.stride(0), BR=br, BK_=BK,
-                                                        DEPTH=_depth(seg_len))
-        roots.append(_tree_levels(seg_roots))
-    return _tree_levels(torch.stack(roots))
+    roots = torch.empty((tp_size, r_), dtype=torch.float32, device=x.device)
+    _shard_sum_kernel[(triton.cdiv(r_, br), tp_size)](x, roots, r_, seg_len, triton.cdiv(seg_len, BK), per,
+                                                      x.stride(0), BR=br, BK_=BK, DEPTH=_depth(seg_len),
+                                                      SDEPTH=per.bit_length())
+    return tree_sum(roots)
 
 
 def _sequential_shard(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, bm: int = 16, bn: int = 64):

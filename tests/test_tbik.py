@@ -12,11 +12,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
 
 from kernels import tbik as K  # noqa: E402
 from models import tbik as M  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a CUDA GPU")
 
 
 def _pair(m, n, k, dtype, seed=0):
@@ -103,6 +105,70 @@ def test_naive_and_batch_invariant_kernels_match_references_and_diverge_across_t
     assert not torch.equal(naive[1], naive[4])
     assert M.pair_stats(naive)["max_ulp"] > 0
     assert M.pair_stats({tp: K.tbik_matmul(x, w, tp) for tp in (1, 4)})["differing_elements"] == 0
+
+
+def _rank_worker(rank: int, world: int, m: int, n: int, k: int, dtype: torch.dtype, init: str, out_dir: str):
+    """One real rank: its K-slice of x and w, its subtree root in one pass, gloo all-gather, tree merge."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        x, w = _pair(m, n, k, dtype)
+        step = k // world
+        y = K.tbik_matmul_distributed(x[:, rank * step : (rank + 1) * step], w[rank * step : (rank + 1) * step])
+        torch.save(y.cpu(), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_real_ranks_with_gloo_equal_tp1_bitwise(world, tmp_path):
+    """torch.distributed processes, each computing only its shard: every rank's result equals TP = 1 bitwise."""
+    import torch.multiprocessing as mp
+
+    m, n, k, dtype = 3, 20, 16 * 40, torch.bfloat16  # segments of 40: two leaves, one of them padded
+    # fork on CPU: the ranks inherit the imported modules (spawn re-imports torch and Triton, seconds apiece); a
+    # process that has initialised CUDA cannot fork, so GPUs spawn
+    method = "spawn" if torch.cuda.is_available() else "fork"
+    mp.start_processes(_rank_worker, nprocs=world, join=True, start_method=method,
+                       args=(world, m, n, k, dtype, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)))
+    x, w = _pair(m, n, k, dtype)
+    expected = K.tbik_matmul(x, w, 1).cpu()
+    for rank in range(world):
+        assert torch.equal(torch.load(tmp_path / f"rank{rank}.pt"), expected), f"rank {rank} of {world}"
+
+
+def test_one_launch_writes_only_the_shard_roots():
+    x, w = _pair(5, 9, 16 * 64, torch.float32)  # two leaves a segment
+    roots = K.shard_roots(x, w, 4, 4)
+    assert roots.shape == (4, 5, 9) and roots.dtype == torch.float32
+    for r in range(4):  # each equals its rank's own launch and the reference's subtree root
+        xr, wr = x[:, r * 256 : (r + 1) * 256], w[r * 256 : (r + 1) * 256]
+        assert torch.equal(roots[r], K.tbik_shard_root(xr, wr, 4))
+    assert torch.allclose(roots.cpu(), torch.stack(K._shard_roots_ref(x.cpu(), w.cpu(), 4)), rtol=1e-5, atol=1e-4)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_tile_config_gives_the_same_bits(dtype):
+    """Compiled: BM, BN, num_warps and num_stages must not change a bit (ranks in different processes may each
+    autotune to a different config), at an LLM-like shape, for TP 1 and 8."""
+    x, w = _pair(256, 384, 16 * 256, dtype)
+    kern = K._shard_matmul_kernel.fn  # the jitted kernel under the autotuner
+    outs = []
+    for cfg in K._shard_matmul_kernel.configs:
+        for tp in (1, 8):
+            per, seg = K.SEGMENTS // tp, x.shape[1] // K.SEGMENTS
+            roots = torch.empty((tp, 256, 384), dtype=torch.float32, device=DEVICE)
+            grid = (triton.cdiv(256, cfg.kwargs["BM"]) * triton.cdiv(384, cfg.kwargs["BN"]), tp)
+            kern[grid](x, w, roots, 256, 384, seg, triton.cdiv(seg, K.BK), per, x.stride(0), x.stride(1),
+                       w.stride(0), w.stride(1), BK_=K.BK, UPCAST=K._upcast(x), DEPTH=K._depth(seg),
+                       SDEPTH=per.bit_length(), GROUP_M=8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                       **cfg.kwargs)
+            outs.append(K.tree_merge(roots, dtype))
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert torch.equal(outs[0], K.tbik_matmul(x, w, 16))
 
 
 def test_bad_shapes_are_rejected():
