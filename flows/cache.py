@@ -22,21 +22,33 @@ class PipelineResult:
     profile: str
     run_id: str
     reused: bool
-    holds: bool
+    verdict: str         # holds | does not hold | inconclusive
     claim_text: str
-    claim_numbers: str
-    data_hash: str
+    claim_numbers: str   # one line per claim part: effect, interval, verdict
+    reason: str          # why inconclusive, when it is
+    replicates: int
+    data_hash: str       # the replicates' data hashes, comma-separated
     seconds: float
 
     def claim_line(self) -> str:
-        verdict = "holds" if self.holds else "does not hold"
-        return f"claim {self.paper}: {self.claim_text} -> {verdict}\n  {self.claim_numbers}"
+        head = self.verdict + (f": {self.reason}" if self.reason else "")
+        body = "\n".join(f"  {line}" for line in self.claim_numbers.splitlines())
+        return f"claim {self.paper}: {self.claim_text} -> {head}\n{body}"
 
     @classmethod
     def reused_run(cls, run, paper: str, profile: str, data_hash: str, start: float) -> PipelineResult:
         tags = run.data.tags
-        return cls(paper, profile, run.info.run_id, True, tags.get("claim.holds") == "true",
-                   tags.get("claim.text", ""), tags.get("claim.numbers", ""), data_hash, time.perf_counter() - start)
+        return cls(paper, profile, run.info.run_id, True, verdict_of(run), tags.get("claim.text", ""),
+                   tags.get("claim.numbers", ""), tags.get("claim.reason", ""),
+                   int(tags.get("claim.replicates", "1") or 1), data_hash, time.perf_counter() - start)
+
+
+def verdict_of(run) -> str:
+    """A run's verdict; runs from before three verdicts recorded only `claim.holds`."""
+    tags = run.data.tags
+    if tags.get("claim.verdict"):
+        return tags["claim.verdict"]
+    return {"true": "holds", "false": "does not hold"}.get(tags.get("claim.holds", ""), "")
 
 
 def is_default_run(profile: str, overrides: dict[str, Any]) -> bool:
@@ -49,13 +61,16 @@ def lookup(papers: list[str], profile: str, overrides: dict[str, Any]) -> dict[s
     finished run. One DVC repository (and one read of dvc.lock) serves every paper."""
     start = time.perf_counter()
     raw = {pid: registry.raw_params(pid, profile, overrides, settings.params_file()) for pid in papers}
-    stages = {pid: data.stage_location(pid, profile, raw[pid], is_default_run(profile, overrides)) for pid in papers}
-    hashes = data.current_hashes(list(stages.values()))
+    default = is_default_run(profile, overrides)
+    stages = {pid: [data.stage_location(pid, profile, registry.replicate_raw(raw[pid], i), default and i == 0)
+                    for i in range(registry.replicate_count(raw[pid]))] for pid in papers}
+    hashes = data.current_hashes([stage for per_paper in stages.values() for stage in per_paper])
     if not any(hashes.values()) or not tracking.store_exists():
         return {}
     found: dict[str, PipelineResult] = {}
     for pid in papers:
-        data_hash = hashes[stages[pid].target]
+        replicate_hashes = [hashes[stage.target] for stage in stages[pid]]
+        data_hash = ",".join(replicate_hashes) if all(replicate_hashes) else None
         experiment = tracking.client().get_experiment_by_name(f"paperline/{pid}") if data_hash else None
         if experiment is None:
             continue

@@ -1,9 +1,11 @@
 """The morning report: what the last night (any window) changed, per paper, from MLflow alone.
 
 Per paper: retrained, skipped (an unchanged rerun reuses its run and stamps it `paperline.reused_at`), failed or
-not run; the verdict now vs the run before (a flip is flagged and sorted first); the primary metric now vs the
-champion (flows/lifecycle.py) with the difference; wall time; links to both MLflow runs. Markdown + HTML, the HTML
-with a small trend plot of each paper's primary metric over its last finished runs.
+not run; the verdict now vs the run before: a flip between decisive verdicts (holds <-> does not hold) is flagged
+and sorted first, a decisive verdict that became inconclusive is listed next, apart (lost evidence, not a
+reversal); the primary metric now vs the champion (flows/lifecycle.py) with the difference; wall time; links to
+both MLflow runs. Markdown + HTML, the HTML with a small trend plot of each paper's primary metric over its last
+finished runs.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flows import lifecycle
+from flows.cache import verdict_of
 from flows.report import ui_url
 from models import registry
 from tasks import settings, tracking
 
 TREND_RUNS = 10
-_ORDER = {"FLIP": 0, "failed": 1, "retrained": 2, "skipped": 3, "not run": 4}
+_ORDER = {"FLIP": 0, "became inconclusive": 1, "failed": 2, "retrained": 3, "skipped": 4, "not run": 5}
+DECISIVE = ("holds", "does not hold")
 
 
 def parse_window(text: str) -> float:
@@ -51,7 +55,13 @@ class Line:
 
     @property
     def flipped(self) -> bool:
-        return bool(self.verdict_before) and self.verdict_now != self.verdict_before
+        """Only a reversal between decisive verdicts is a flip."""
+        return self.verdict_before in DECISIVE and self.verdict_now in DECISIVE and \
+            self.verdict_now != self.verdict_before
+
+    @property
+    def became_inconclusive(self) -> bool:
+        return self.verdict_before in DECISIVE and self.verdict_now == "inconclusive"
 
     @property
     def delta(self) -> float | None:
@@ -59,7 +69,7 @@ class Line:
 
 
 def _verdict(run) -> str:
-    return "holds" if run.data.tags.get("claim.holds") == "true" else "does not hold"
+    return verdict_of(run)
 
 
 def paper_line(paper_id: str, since_ms: int, profile: str) -> Line:
@@ -72,7 +82,7 @@ def paper_line(paper_id: str, since_ms: int, profile: str) -> Line:
     started = client.search_runs([exp.experiment_id], f"{in_profile} and attributes.start_time >= {since_ms}",
                                  order_by=["attributes.start_time DESC"], max_results=1)
     finished = client.search_runs([exp.experiment_id], f"{in_profile} and attributes.status = 'FINISHED' and "
-                                  "tags.`claim.holds` != ''", order_by=["attributes.start_time DESC"],
+                                  "tags.`claim.verdict` != ''", order_by=["attributes.start_time DESC"],
                                   max_results=TREND_RUNS)
     metric, _ = registry.get(paper_id).primary
     reused = sorted((r for r in finished if int(r.data.tags.get("paperline.reused_at", 0)) >= since_ms),
@@ -96,7 +106,7 @@ def paper_line(paper_id: str, since_ms: int, profile: str) -> Line:
         line.wall_s = now.data.metrics.get("time/total_s") if line.status == "retrained" else None
         line.run_url = url + now.info.run_id
     line.metric, line.trend = metric, _trend(finished, metric)
-    champ = lifecycle.champion(paper_id)
+    champ = lifecycle.champion(paper_id, profile)
     if champ:
         line.champion_value, line.champion_version = champ["value"], champ["version"]
         line.champion_url = url + champ["run_id"]
@@ -110,7 +120,8 @@ def _trend(runs, metric: str) -> list[float]:
 def morning(since_s: float, profile: str = "smoke") -> list[Line]:
     since_ms = int((time.time() - since_s) * 1000)
     lines = [paper_line(pid, since_ms, profile) for pid in registry.paper_ids()]
-    return sorted(lines, key=lambda ln: (_ORDER["FLIP"] if ln.flipped else _ORDER[ln.status], ln.paper))
+    return sorted(lines, key=lambda ln: (_ORDER["FLIP"] if ln.flipped else _ORDER["became inconclusive"]
+                                         if ln.became_inconclusive else _ORDER[ln.status], ln.paper))
 
 
 def _fmt(value: float | None) -> str:
@@ -122,13 +133,15 @@ def write(lines: list[Line], since: str, out_dir: Path | None = None, stem: str 
     out_dir.mkdir(parents=True, exist_ok=True)
     head = ["paper", "status", "verdict now", "before", "primary metric", "now", "champion", "diff", "wall s", "runs"]
     md = [f"# paperline: what changed in the last {since}", "",
-          f"{sum(ln.flipped for ln in lines)} verdict flip(s), {sum(ln.status == 'retrained' for ln in lines)} "
+          f"{sum(ln.flipped for ln in lines)} verdict flip(s) (holds <-> does not hold), "
+          f"{sum(ln.became_inconclusive for ln in lines)} became inconclusive, "
+          f"{sum(ln.status == 'retrained' for ln in lines)} "
           f"retrained, {sum(ln.status == 'skipped' for ln in lines)} skipped, "
           f"{sum(ln.status == 'failed' for ln in lines)} failed.", "",
           "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     rows_html = []
     for ln in lines:
-        flag = "**FLIP** " if ln.flipped else ""
+        flag = "**FLIP** " if ln.flipped else "became " if ln.became_inconclusive else ""
         links = " ".join(f"[{name}]({u})" for name, u in (("run", ln.run_url), ("champion", ln.champion_url)) if u)
         champ = f"v{ln.champion_version} {_fmt(ln.champion_value)}" if ln.champion_version else ""
         cells = [ln.paper, f"{ln.status} ({ln.why})", flag + ln.verdict_now, ln.verdict_before, ln.metric,

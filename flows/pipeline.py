@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import math
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from tasks.settings import configure_environment
@@ -21,12 +23,12 @@ from prefect import flow, get_run_logger, runtime, task  # noqa: E402
 from prefect.concurrency.sync import concurrency  # noqa: E402
 
 from flows import lifecycle, morning  # noqa: E402
-from flows.cache import PipelineResult, is_default_run  # noqa: E402
+from flows.cache import PipelineResult  # noqa: E402
 from models import registry  # noqa: E402
-from models.contract import PaperParams  # noqa: E402
+from models.registry import RunRequest  # noqa: E402
 from tasks import settings, tracking, train  # noqa: E402
 from tasks.context import send_pending  # noqa: E402
-from tasks.steps import evaluate_task, prepare_task, train_task  # noqa: E402
+from tasks.steps import conclude, evaluate_task, prepare_task, recorded_metrics, train_task  # noqa: E402
 from tasks.train import TrainJob  # noqa: E402
 
 
@@ -39,92 +41,75 @@ _after_training: contextvars.ContextVar[Callable[[], None] | None] = contextvars
                                                                                          default=None)
 
 
-@flow(name="paper-pipeline", log_prints=False)
+@flow(name="paper-pipeline", flow_run_name="{paper}-{profile}", log_prints=False)
 def paper_pipeline(paper: str, profile: str = "smoke", overrides: dict[str, Any] | None = None,
-                   force: bool = False) -> dict:
-    """One paper end to end. Reuses the earlier MLflow run when code, params and data are unchanged (unless force).
+                   force: bool = False, request: RunRequest | None = None) -> dict:
+    """One paper end to end: every replicate prepared, trained and evaluated, then the claim decided over them.
+    Reuses the earlier MLflow run when code, params and data are unchanged (unless force); a run that was killed
+    continues at the replicate it lost. `request`: the run already resolved by the caller (the CLI, the suite);
+    deployments pass only the names.
 
     Runs of one paper never overlap: they hold the Prefect global concurrency limit `paper-<id>` (1 slot), which
-    `paperline serve` creates; without it (the temporary local API) the guard is a no-op."""
+    `paperline serve` creates; without it (the temporary local API) there is nothing to hold."""
     start = time.perf_counter()
-    spec = registry.get(paper)
-    overrides = registry.parse_overrides(overrides)
-    params = registry.resolve(paper, profile, overrides, settings.params_file())
-    train.prestart(paper, params)  # the ranks warm up while the data is checked and the MLflow run opens
+    if request is None:
+        request = registry.request(paper, profile, overrides, settings.params_file())
+    train.prestart(request.paper, request.params)  # the ranks warm up while the data is checked and the run opens
     try:
         tracking.check_reachable()
-        with concurrency(f"paper-{paper}", occupy=1, strict=False):
-            return _run(spec, profile, overrides, params, force, start)
+        with _one_run_per_paper(request.paper):
+            return _run(request, force, start)
     finally:
-        train.cancel_prestarted(paper)  # unclaimed when the run was reused or failed before training
+        train.cancel_prestarted(request.paper)  # unclaimed when the run was reused or failed before training
 
 
-def _run(spec, profile: str, overrides: dict[str, Any], params, force: bool, start: float) -> dict:
-    paper = spec.id
-    is_default = is_default_run(profile, overrides)
-    raw = registry.raw_params(paper, profile, overrides, settings.params_file())
+def _one_run_per_paper(paper: str):
+    """The paper's concurrency slot where `serve` created one; nothing to hold otherwise (asking for a limit that
+    does not exist only makes Prefect warn)."""
+    from prefect.client.orchestration import get_client
 
-    _say(f"[{paper}] prepare: DVC stage {'prepare@' + paper if is_default else profile + ' variant'}")
-    prepared = prepare_task(spec, profile, params, raw, is_default, force=False)
-    _say(f"[{paper}] data {prepared.data_hash} ({'prepared' if prepared.ran else 'up to date'}, "
-         f"{prepared.seconds:.1f}s)")
+    try:
+        with get_client(sync_client=True) as prefect_client:
+            prefect_client.read_global_concurrency_limit_by_name(f"paper-{paper}")
+    except Exception:  # noqa: BLE001 - ObjectNotFound: no limit on this API
+        return contextlib.nullcontext()
+    return concurrency(f"paper-{paper}", occupy=1, strict=False)
+
+
+def _run(request: RunRequest, force: bool, start: float) -> dict:
+    paper, profile, count = request.paper, request.profile, request.replicates
+    spec = registry.get(paper)
+    where = f"DVC stage {'prepare@' + paper if request.is_default else profile + ' variant'}"
+    _say(f"[{paper}] prepare: {where}" + (f" and {count - 1} replicate variant(s)" if count > 1 else ""))
+    prepared = [prepare_task.with_options(task_run_name=f"prepare {paper} r{i}")(spec, request, i)
+                for i in range(count)]
+    data_hash = ",".join(p.data_hash for p in prepared)
+    ran = sum(p.ran for p in prepared)
+    _say(f"[{paper}] data {_short(data_hash)} ({f'{ran} prepared' if ran else 'up to date'}, "
+         f"{sum(p.seconds for p in prepared):.1f}s)")
 
     exp_id = tracking.experiment_id(paper)
     tracking.mark_orphans_killed(exp_id)
-    resolved = params.model_dump(mode="json")
-    key = tracking.run_key(paper, profile, raw, prepared.data_hash)
+    key = tracking.run_key(paper, profile, request.raw, data_hash)
     cached = None if force else tracking.find_cached(exp_id, key)
     if cached is not None:
-        result = PipelineResult.reused_run(cached, paper, profile, prepared.data_hash, start)
+        result = PipelineResult.reused_run(cached, paper, profile, data_hash, start)
         tracking.mark_reused(cached.info.run_id)
         _say(f"[{paper}] unchanged code, params and data: reusing run {cached.info.run_id} (use --force to retrain)")
         print(result.claim_line(), flush=True)
         return asdict(result)
 
     client = tracking.client()
-    tags = {
-        "paperline.paper": paper, "paperline.profile": profile, "paperline.cache_key": key,
-        "paperline.data_hash": prepared.data_hash, "paperline.data_stage": prepared.stage.target,
-        "paperline.world_size": str(params.ranks), "paperline.pid": str(os.getpid()),
-        "paperline.overrides": ",".join(f"{k}={v}" for k, v in overrides.items()),
-        "mlflow.source.git.commit": tracking.git_commit(),
-        "prefect.flow_run_id": str(runtime.flow_run.id or ""),
-        "mlflow.runName": f"{paper}-{profile}",
-    }
-    resumable = None if force else tracking.find_resumable(exp_id, key)
-    if resumable is not None:  # a killed or failed run of the same work: continue it, lose nothing
-        run_id = resumable.info.run_id
-        client.update_run(run_id, status="RUNNING")
-        client.set_tag(run_id, "paperline.pid", str(os.getpid()))
-        client.set_tag(run_id, "paperline.resumed_by_flow_run", str(runtime.flow_run.id or ""))
-        _say(f"[{paper}] continuing interrupted run {run_id} from its checkpoints")
-    else:
-        if os.environ.get("PAPERLINE_REPRODUCES"):  # set by `paperline reproduce` for the rerun it starts
-            tags["paperline.reproduces"] = os.environ["PAPERLINE_REPRODUCES"]
-        run_id = client.create_run(exp_id, run_name=f"{paper}-{profile}", tags=tags).info.run_id
-        client.log_batch(run_id, params=[Param(k, v[:6000]) for k, v in tracking.flatten(resolved).items()],
-                         tags=[RunTag("paperline.claim.spec", spec.claim.text()[:5000]),
-                               RunTag("paperline.code_ref", tracking.pin_code(run_id))])
-        # the lineage `paperline reproduce` replays: the params as given, exactly (MLflow params are strings)
-        client.log_dict(run_id, {"paper": paper, "profile": profile, "overrides": overrides, "raw_params": raw,
-                                 "params": resolved, "data_hash": prepared.data_hash}, "inputs/run_inputs.json")
+    run_id = _open_run(request, exp_id, key, data_hash, prepared, force)
     try:
-        out_dir = settings.runs_dir() / paper / run_id
-        _say(f"[{paper}] train: {params.ranks} DeepSpeed rank(s), MLflow run {run_id}")
-        job = TrainJob(paper, params, prepared.stage.out_dir, out_dir, run_id, settings.tracking_uri())
-        t_train = time.perf_counter()
-        train_task(job)
-        if (next_up := _after_training.get()) is not None:
-            next_up()
-        sent = send_pending(client, run_id, out_dir)  # what the ranks could not send while tracking was down
-        if sent:
-            _say(f"[{paper}] sent {sent} metrics held back while the tracking server was unreachable")
-        t_eval = time.perf_counter()
-        _say(f"[{paper}] evaluate: method and baselines")
-        _, claim = evaluate_task(spec, params, prepared.stage.out_dir, out_dir, run_id)
+        done = [_replicate(spec, request, i, prepared[i], run_id, exp_id) for i in range(count)]
+        t_conclude = time.perf_counter()
+        runs = settings.runs_dir() / paper
+        claim = conclude(spec, run_id, [d.metrics for d in done], runs / run_id, runs / done[0].run_id)
         now = time.perf_counter()
-        for name, seconds in (("prepare", prepared.seconds), ("train", t_eval - t_train),
-                              ("evaluate", now - t_eval), ("total", now - start)):
+        for name, seconds in (("prepare", sum(p.seconds for p in prepared)),
+                              ("replicates", sum(d.seconds for d in done)), ("conclude", now - t_conclude),
+                              ("total", now - start)):
             client.log_metric(run_id, f"time/{name}_s", seconds, step=0)
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
         promote_task(paper, run_id)
@@ -133,16 +118,120 @@ def _run(spec, profile: str, overrides: dict[str, Any], params, force: bool, sta
             client.set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
         except Exception:  # noqa: BLE001 - tracking itself is down: the next start marks the run KILLED
             _say(f"[{paper}] could not mark run {run_id} FAILED (tracking unreachable); checkpoints kept in "
-                 f"{settings.runs_dir() / paper / run_id}, a rerun continues from them")
+                 f"{settings.runs_dir() / paper}, a rerun continues from them")
         raise
-    result = PipelineResult(paper, profile, run_id, False, claim.holds, claim.text, claim.numbers,
-                            prepared.data_hash, time.perf_counter() - start)
+    result = PipelineResult(paper, profile, run_id, False, claim.verdict, claim.text, claim.numbers, claim.reason,
+                            claim.replicates, data_hash, time.perf_counter() - start)
     try:
-        get_run_logger().info("claim %s holds=%s", paper, claim.holds)
+        get_run_logger().info("claim %s: %s", paper, claim.headline())
     except Exception:  # noqa: BLE001 - logging outside a run context is optional
         pass
     print(result.claim_line(), flush=True)
     return asdict(result)
+
+
+def _short(data_hash: str) -> str:
+    hashes = data_hash.split(",")
+    return hashes[0] if len(hashes) == 1 else f"{hashes[0][:12]} +{len(hashes) - 1}"
+
+
+def _open_run(request: RunRequest, exp_id: str, key: str, data_hash: str, prepared, force: bool) -> str:
+    """The pipeline's parent run: a killed or failed run of the same work continues (its finished replicates are
+    kept), otherwise a new one with the lineage `paperline reproduce` replays."""
+    paper, profile, client = request.paper, request.profile, tracking.client()
+    resumable = None if force else tracking.find_resumable(exp_id, key)
+    if resumable is not None:
+        run_id = resumable.info.run_id
+        client.update_run(run_id, status="RUNNING")
+        client.set_tag(run_id, "paperline.pid", str(os.getpid()))
+        client.set_tag(run_id, "paperline.resumed_by_flow_run", str(runtime.flow_run.id or ""))
+        _say(f"[{paper}] continuing interrupted run {run_id}: finished replicates are kept")
+        return run_id
+    tags = {
+        "paperline.paper": paper, "paperline.profile": profile, "paperline.cache_key": key,
+        "paperline.kind": "pipeline", "paperline.replicates": str(request.replicates),
+        "paperline.data_hash": data_hash, "paperline.data_stage": prepared[0].stage.target,
+        "paperline.world_size": str(request.params.ranks), "paperline.pid": str(os.getpid()),
+        "paperline.overrides": ",".join(f"{k}={v}" for k, v in request.overrides.items()),
+        "mlflow.source.git.commit": tracking.git_commit(),
+        "prefect.flow_run_id": str(runtime.flow_run.id or ""),
+        "mlflow.runName": f"{paper}-{profile}",
+    }
+    if os.environ.get("PAPERLINE_REPRODUCES"):  # set by `paperline reproduce` for the rerun it starts
+        tags["paperline.reproduces"] = os.environ["PAPERLINE_REPRODUCES"]
+    run_id = client.create_run(exp_id, run_name=f"{paper}-{profile}", tags=tags).info.run_id
+    resolved = request.params.model_dump(mode="json")
+    client.log_batch(run_id, params=[Param(k, v[:6000]) for k, v in tracking.flatten(resolved).items()],
+                     tags=[RunTag("paperline.claim.spec", registry.get(paper).claim.text()[:5000]),
+                           RunTag("paperline.code_ref", tracking.pin_code(run_id))])
+    # the lineage `paperline reproduce` replays: the params as given, exactly (MLflow params are strings)
+    client.log_dict(run_id, {"paper": paper, "profile": profile, "overrides": request.overrides,
+                             "raw_params": request.raw, "params": resolved, "data_hash": data_hash},
+                    "inputs/run_inputs.json")
+    return run_id
+
+
+@dataclass(frozen=True)
+class ReplicateDone:
+    run_id: str                 # the replicate's child run (its folder under runs/<id>/ holds its outputs)
+    metrics: dict[str, float]   # its evaluation metrics
+    seconds: float
+
+
+def _replicate(spec, request: RunRequest, index: int, prepared, parent_id: str, exp_id: str) -> ReplicateDone:
+    """Replicate `index` as a child run of the pipeline's run: kept when it finished, continued from its
+    checkpoints when it was killed, otherwise trained and evaluated."""
+    paper, client, start = request.paper, tracking.client(), time.perf_counter()
+    rep = request.replicate(index)
+    label = f"{paper} r{index}"
+    key = tracking.run_key(paper, request.profile, rep.raw, prepared.data_hash)
+    earlier = tracking.find_replicate(exp_id, parent_id, index, key)
+    if earlier is not None and earlier.info.status == "FINISHED":
+        _say(f"[{label}] finished earlier in this run: kept")
+        return ReplicateDone(earlier.info.run_id, recorded_metrics(earlier, settings.runs_dir() / paper /
+                                                                   earlier.info.run_id), 0.0)
+    if earlier is not None:
+        child_id = earlier.info.run_id
+        client.update_run(child_id, status="RUNNING")
+        client.set_tag(child_id, "paperline.pid", str(os.getpid()))
+        _say(f"[{label}] continuing from its checkpoints (run {child_id})")
+    else:
+        tags = {"mlflow.parentRunId": parent_id, "paperline.kind": "replicate", "paperline.replicate": str(index),
+                "paperline.paper": paper, "paperline.profile": request.profile, "paperline.cache_key": key,
+                "paperline.data_hash": prepared.data_hash, "paperline.data_stage": prepared.stage.target,
+                "paperline.seed": str(rep.params.seed), "paperline.pid": str(os.getpid()),
+                "mlflow.runName": f"{paper}-{request.profile}-r{index}"}
+        child_id = client.create_run(exp_id, run_name=tags["mlflow.runName"], tags=tags).info.run_id
+        client.log_batch(child_id, params=[Param(k, v[:6000]) for k, v in
+                                           tracking.flatten(rep.params.model_dump(mode="json")).items()])
+    try:
+        out_dir = settings.runs_dir() / paper / child_id
+        _say(f"[{label}] train: {rep.params.ranks} DeepSpeed rank(s), seed {rep.params.seed}, MLflow run {child_id}")
+        job = TrainJob(paper, rep.params, prepared.stage.out_dir, out_dir, child_id, settings.tracking_uri())
+        t_train = time.perf_counter()
+        train_task.with_options(task_run_name=f"train {label}")(job)
+        if index + 1 < request.replicates:
+            train.prestart(paper, request.params)  # the next replicate's ranks warm up while this one evaluates
+        elif (next_up := _after_training.get()) is not None:
+            next_up()
+        sent = send_pending(client, child_id, out_dir)  # what the ranks could not send while tracking was down
+        if sent:
+            _say(f"[{label}] sent {sent} metrics held back while the tracking server was unreachable")
+        t_eval = time.perf_counter()
+        _say(f"[{label}] evaluate: method and baselines")
+        metrics = evaluate_task.with_options(task_run_name=f"evaluate {label}")(
+            spec, rep.params, prepared.stage.out_dir, out_dir, child_id)
+        now = time.perf_counter()
+        for name, seconds in (("train", t_eval - t_train), ("evaluate", now - t_eval)):
+            client.log_metric(child_id, f"time/{name}_s", seconds, step=0)
+        client.set_terminated(child_id, RunStatus.to_string(RunStatus.FINISHED))
+    except BaseException:
+        try:
+            client.set_terminated(child_id, RunStatus.to_string(RunStatus.FAILED))
+        except Exception:  # noqa: BLE001 - tracking down: the parent's handler says what to do
+            pass
+        raise
+    return ReplicateDone(child_id, metrics, time.perf_counter() - start)
 
 
 @task(name="promote")
@@ -153,29 +242,44 @@ def promote_task(paper: str, run_id: str) -> None:
     _say(f"[{paper}] model {lifecycle.model_name(paper)} v{version}: {decision.alias} ({decision.reason})")
 
 
-@flow(name="suite")
-def suite(papers: list[str] | None = None, profile: str = "smoke", force: bool = False,
-          parallel: int = 1) -> list[dict]:
-    """Every given paper (default: all registered); one paper's failure is reported, not fatal.
+@flow(name="suite", flow_run_name="suite-{profile}")
+def suite(papers: list[str] | None = None, profile: str = "smoke", force: bool = False, parallel: int = 1,
+          requests: list[RunRequest] | None = None) -> list[dict]:
+    """Every given paper (default: all registered); one paper's failure is reported, not fatal. `requests`: the
+    papers' runs already resolved by the caller (the CLI); the nightly deployment passes only names.
 
     `parallel` papers run side by side (threads of this process; training is a subprocess per paper, evaluation
     one paper at a time): one paper's single-threaded stretches (prepare, evaluate, start-up) then use the cores
     another paper's training leaves idle (benchmarks/README.md, suite)."""
     started = time.time()
-    ids = papers or registry.paper_ids()
     if parallel < 1:
         raise registry.ConfigError(f"parallel: must be at least 1, got {parallel}")
-    # validate every id and profile before any work
-    upcoming = _Upcoming({pid: registry.resolve(pid, profile, None, settings.params_file()) for pid in ids})
+    if requests is None:  # every id and profile validated before any work
+        ids = papers or registry.paper_ids()
+        requests = [registry.request(pid, profile, None, settings.params_file()) for pid in ids]
+    upcoming = _Upcoming(requests)
+    eta = _Eta(requests)
     token = _after_training.set(upcoming.prestart_next)  # the papers' contexts are copies holding it
-    calls = [(f"[{i}/{len(ids)}] {pid}", pid, profile, _in_context(pid, profile, force, upcoming))
-             for i, pid in enumerate(ids, 1)]
+    calls = [(f"[{i}/{len(requests)}] {r.paper}", r, _in_context(r, force, upcoming))
+             for i, r in enumerate(requests, 1)]
     _after_training.reset(token)
+
+    def one(call) -> dict:
+        title, request, run = call
+        _say(f"=== {title} ({request.profile}){eta.left()} ===")
+        try:
+            return run()
+        except Exception as e:  # noqa: BLE001 - report and continue with the next paper
+            _say(f"[{request.paper}] FAILED: {type(e).__name__}: {e}")
+            return {"paper": request.paper, "profile": request.profile, "error": f"{type(e).__name__}: {e}"}
+        finally:
+            eta.done(request.paper)
+
     if parallel == 1:
-        results = [_one(*call) for call in calls]
+        results = [one(call) for call in calls]
     else:
         with ThreadPoolExecutor(parallel, thread_name_prefix="suite") as pool:
-            results = list(pool.map(lambda call: _one(*call), calls))
+            results = list(pool.map(one, calls))
     # the report covers this suite run: what it retrained, skipped or lost
     window = time.time() - started + 1
     md, _ = morning.write(morning.morning(window, profile), f"{window / 60:.0f} min (this suite run)",
@@ -184,12 +288,53 @@ def suite(papers: list[str] | None = None, profile: str = "smoke", force: bool =
     return results
 
 
+class _Eta:
+    """Time left in a suite, from each paper's last finished run of the same profile (`time/total_s`, scaled by
+    the replicates now vs then); a paper never run counts as the median of the others."""
+
+    def __init__(self, requests: list[RunRequest]):
+        self._expected = {r.paper: _earlier_seconds(r) for r in requests}
+        known = sorted(v for v in self._expected.values() if v is not None)
+        fallback = known[len(known) // 2] if known else None
+        self._expected = {k: (v if v is not None else fallback) for k, v in self._expected.items()}
+        self._lock = threading.Lock()
+
+    def done(self, paper: str) -> None:
+        with self._lock:
+            self._expected.pop(paper, None)
+
+    def left(self) -> str:
+        with self._lock:
+            values = list(self._expected.values())
+        if not values or any(v is None for v in values):
+            return ""
+        return f", about {math.ceil(sum(values) / 60)} min left (from earlier runs)"
+
+
+def _earlier_seconds(request: RunRequest) -> float | None:
+    try:
+        experiment = tracking.client().get_experiment_by_name(f"paperline/{request.paper}")
+        if experiment is None:
+            return None
+        runs = tracking.client().search_runs(
+            [experiment.experiment_id], f"tags.`paperline.profile` = '{request.profile}' and "
+            "tags.`paperline.kind` = 'pipeline' and attributes.status = 'FINISHED'",
+            order_by=["attributes.start_time DESC"], max_results=1)
+    except Exception:  # noqa: BLE001 - an estimate only
+        return None
+    if not runs or "time/total_s" not in runs[0].data.metrics:
+        return None
+    then = int(runs[0].data.tags.get("paperline.replicates", "1") or 1)
+    return runs[0].data.metrics["time/total_s"] * request.replicates / max(then, 1)
+
+
 class _Upcoming:
     """The suite's papers not started yet, in order. When one paper's training ends, the next paper's ranks are
     prestarted: they import and join their process group while this paper evaluates on one thread."""
 
-    def __init__(self, params: dict[str, PaperParams]):
-        self._params, self._lock = dict(params), threading.Lock()  # insertion order: the suite's order
+    def __init__(self, requests: list[RunRequest]):
+        self._params = {r.paper: r.params for r in requests}  # insertion order: the suite's order
+        self._lock = threading.Lock()
 
     def start(self, pid: str) -> None:
         with self._lock:
@@ -201,32 +346,23 @@ class _Upcoming:
                 train.prestart(*next(iter(self._params.items())))
 
 
-def _in_context(pid: str, profile: str, force: bool, upcoming: _Upcoming):
+def _in_context(request: RunRequest, force: bool, upcoming: _Upcoming):
     """The paper's pipeline as a subflow of this suite run, callable from any thread (Prefect's run context lives
     in context variables, which a worker thread does not inherit)."""
     context = contextvars.copy_context()
 
     def run() -> dict:
-        upcoming.start(pid)
-        return context.run(paper_pipeline, pid, profile, None, force)
+        upcoming.start(request.paper)
+        return context.run(paper_pipeline, request.paper, request.profile, request.overrides, force, request)
 
     return run
 
 
-def _one(title: str, pid: str, profile: str, run) -> dict:
-    _say(f"=== {title} ({profile}) ===")
-    try:
-        return run()
-    except Exception as e:  # noqa: BLE001 - report and continue with the next paper
-        _say(f"[{pid}] FAILED: {type(e).__name__}: {e}")
-        return {"paper": pid, "profile": profile, "error": f"{type(e).__name__}: {e}"}
-
-
-def run_papers(ids: list[str], profile: str, overrides: Mapping[str, Any] | None, force: bool,
-               parallel: int = 1) -> list[dict]:
+def run_papers(requests: list[RunRequest], force: bool, parallel: int = 1) -> list[dict]:
     """CLI entry: one flow run per paper, or the suite flow for several."""
-    if len(ids) == 1:
-        return [paper_pipeline(ids[0], profile, dict(overrides or {}), force)]
-    if overrides:
+    if len(requests) == 1:
+        r = requests[0]
+        return [paper_pipeline(r.paper, r.profile, r.overrides, force, r)]
+    if any(r.overrides for r in requests):
         raise registry.ConfigError("--set applies to one paper at a time")
-    return suite(ids, profile, force, parallel)
+    return suite([r.paper for r in requests], requests[0].profile, force, parallel, requests)

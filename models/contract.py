@@ -6,7 +6,6 @@ DeepSpeed launcher: `tasks/` builds the contexts below and hands them in, so a p
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,8 +13,22 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from models.verdicts import Claim, ClaimResult, Compare  # noqa: F401 - the contract's public names
+
 if TYPE_CHECKING:  # annotations only: importing the contract must not cost a torch import (fast CLI paths)
     import torch
+
+
+class InputSpec(BaseModel):
+    """One real dataset or checkpoint a profile reads from disk; it enters DVC like any stage input."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(description="Local path (file or folder), relative to the project root or absolute.")
+    format: str = Field(description="On-disk format the loader reads, e.g. 'image-folder', 'cifar-binary', 'hdf5'.")
+    url: str = Field("", description="Where to get it (the command `paperline data` prints uses it).")
+    license: str = Field("", description="The dataset's license, as its publisher states it.")
+    sha256: str = Field("", description="Checksum of a single-file input, when the publisher gives one.")
 
 
 class PaperParams(BaseModel):
@@ -32,94 +45,6 @@ class PaperParams(BaseModel):
                             "claim is decided over; test 1, smoke and full >= 3 (DESIGN.md, Verdicts).")
     inputs: dict[str, InputSpec] = Field(default_factory=dict, description="Real data a (full) profile reads: "
                                          "name -> where it lies and how to get it (`paperline data <id>`).")
-
-
-class InputSpec(BaseModel):
-    """One real dataset or checkpoint a profile reads from disk; it enters DVC like any stage input."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    path: str = Field(description="Local path (file or folder), relative to the project root or absolute.")
-    format: str = Field(description="On-disk format the loader reads, e.g. 'image-folder', 'cifar-binary', 'hdf5'.")
-    url: str = Field("", description="Where to get it (the command `paperline data` prints uses it).")
-    license: str = Field("", description="The dataset's license, as its publisher states it.")
-    sha256: str = Field("", description="Checksum of a single-file input, when the publisher gives one.")
-
-
-_OPS: dict[str, Callable[[float, float], bool]] = {
-    ">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le,
-}
-
-
-@dataclass(frozen=True)
-class Compare:
-    """`left op right`: left a metric name; right a metric name, a number the spec fixes (a threshold), or a tuple
-    of metric names meaning "the best of these" (max for > and >=, min for < and <=)."""
-
-    left: str
-    op: Literal[">", ">=", "<", "<="]
-    right: str | float | tuple[str, ...]
-
-    def evaluate(self, metrics: Mapping[str, float]) -> tuple[bool, str]:
-        if isinstance(self.right, int | float):
-            if self.left not in metrics:
-                raise KeyError(f"claim needs metrics that evaluate() did not return: {[self.left]}")
-            left = float(metrics[self.left])
-            return _OPS[self.op](left, float(self.right)), f"{self.left}={left:.4f} {self.op} {self.right:g}"
-        names = (self.right,) if isinstance(self.right, str) else self.right
-        missing = [n for n in (self.left, *names) if n not in metrics]
-        if missing:
-            raise KeyError(f"claim needs metrics that evaluate() did not return: {missing}")
-        values = {n: float(metrics[n]) for n in names}
-        best = max(values, key=values.get) if self.op in (">", ">=") else min(values, key=values.get)
-        left, right = float(metrics[self.left]), values[best]
-        holds = _OPS[self.op](left, right)
-        who = best if len(names) == 1 else f"best of {len(names)}: {best}"
-        return holds, f"{self.left}={left:.4f} {self.op} {right:.4f} ({who})"
-
-    def text(self) -> str:
-        if not isinstance(self.right, tuple):
-            right = self.right if isinstance(self.right, str) else f"{self.right:g}"
-            return f"{self.left} {self.op} {right}"
-        best = "max" if self.op in (">", ">=") else "min"
-        return f"{self.left} {self.op} {best}({_compact(self.right)})"
-
-
-def _compact(names: tuple[str, ...]) -> str:
-    """("baseline/aum/auroc", "baseline/loss/auroc") -> "baseline/{aum,loss}/auroc"."""
-    parts = [n.split("/") for n in names]
-    if len({len(p) for p in parts}) == 1 and len(parts[0]) >= 2:
-        varying = [i for i in range(len(parts[0])) if len({p[i] for p in parts}) > 1]
-        if len(varying) == 1:
-            i = varying[0]
-            return "/".join(parts[0][:i] + ["{" + ",".join(p[i] for p in parts) + "}"] + parts[0][i + 1 :])
-    return ", ".join(names)
-
-
-@dataclass(frozen=True)
-class Claim:
-    """A conjunction of comparisons over evaluation metrics; the framework evaluates it, never the paper."""
-
-    all_of: tuple[Compare, ...]
-    summary: str = ""
-
-    def text(self) -> str:
-        return " and ".join(c.text() for c in self.all_of)
-
-    def evaluate(self, metrics: Mapping[str, float]) -> ClaimResult:
-        parts = [c.evaluate(metrics) for c in self.all_of]
-        return ClaimResult(holds=all(h for h, _ in parts), text=self.text(), numbers="; ".join(n for _, n in parts))
-
-
-@dataclass(frozen=True)
-class ClaimResult:
-    holds: bool
-    text: str
-    numbers: str
-
-    def line(self, paper_id: str) -> str:
-        verdict = "holds" if self.holds else "does not hold"
-        return f"claim {paper_id}: {self.text} -> {verdict}\n  {self.numbers}"
 
 
 class TrainContext(Protocol):

@@ -22,7 +22,7 @@ What it implements (function names in brackets):
 Deviations from the paper (choices the abstract left open):
 - "Wall-clock per training step" is reported as counted projector passes per node and step (forward 1, backward 2)
   in `cost_per_step`, not seconds: evaluation must be deterministic, and wall time on a shared CPU says little.
-- The ED/CD accuracy condition "ED.acc >= CD.acc - 1 point" compares with `detail/cd/acc_r20_minus_1pt`.
+- The ED/CD accuracy condition "ED.acc >= CD.acc - 1 point" is a comparison with a margin of -0.01.
 - The claim covers the label rates both smoke and full run (5 % and 20 %); 60 % (full) is reported beside it.
 - The CD baseline adds the energy-magnitude penalty cd_reg (E+^2 + E-^2) of Du & Mordatch (2019): without it
   E+ - E- falls without bound by shrinking tau.
@@ -349,7 +349,6 @@ def evaluate(ctx) -> dict[str, float]:
                     gap = net.energy(zg[-1][test], net.text(neg)) - net.energy(zg[-1][test], zt[test])
                 out[f"detail/{kind}/energy_gap"] = float(gap.mean())
                 out[f"detail/{kind}/cka"] = linear_cka(zg[-1][test].numpy(), zt[test].numpy())
-    out["detail/cd/acc_r20_minus_1pt"] = out.get(f"baseline/cd/acc_r{round(p.ablation_rate * 100)}", 0.0) - 0.01
     _plot(ctx.plots_dir / "accuracy_by_label_rate.png", accs)
     return out
 
@@ -376,7 +375,7 @@ def _claim() -> Claim:
         Compare("method/acc_r20", ">", tuple(f"baseline/{k}/acc_r20" for k in (*base, "cd"))),
         Compare("method/transfer_auc", ">", tuple(f"baseline/{k}/transfer_auc" for k in (*base, "cd"))),
         Compare("method/cost_per_step", "<", "baseline/cd/cost_per_step"),
-        Compare("method/acc_r20", ">=", "detail/cd/acc_r20_minus_1pt"),
+        Compare("method/acc_r20", ">=", "baseline/cd/acc_r20", margin=-0.01),
         Compare("method/acc_r20", ">", "baseline/final_only/acc_r20"),
     ), summary="ERAlign beats every baseline at 5% and 20% labels and on link-prediction transfer; ED is cheaper "
                "than CD at no more than 1 point of accuracy; layer-wise beats final-only")

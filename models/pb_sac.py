@@ -30,8 +30,8 @@ Deviations from the paper (choices the abstract left open):
 - E_rho L_hat in the certificate is a Monte-Carlo average over `cert_samples` weight samples (no extra
   sample-convergence term). The validation estimate averages the loss over independent full episodes, whose
   state distribution is the stationary one of the reset chain.
-- The claim's 0.9 x SAC return is emitted as the metric `baseline/sac/norm_return_x0.9` (with a negative SAC
-  return 0.9 x is laxer); non-vacuous is `method/markov_bound < 1`.
+- The claim's "0.9 x SAC return" is `Compare(..., scale=0.9)` on the normalised return (with a negative SAC
+  return, 0.9 x is the stricter bar: closer to zero); non-vacuous is `method/markov_bound < 1`.
 - MuJoCo (full profile in the spec) is not wired: the `mujoco` package is not installed and there is no
   hand-written reference controller for normalisation; full runs both classic-control tasks at 200k steps.
 
@@ -471,8 +471,7 @@ def evaluate(ctx) -> dict[str, float]:
                          f"validation {cert['validation_loss']:.3f}")
         pb, sac = results["pbsac"], results["sac"]
         rows = {"method": {k: v for k, v in pb.items() if k != "grid"},
-                "baseline/sac": {"return": sac["return"], "norm_return": sac["norm_return"],
-                                 "norm_return_x0.9": 0.9 * sac["norm_return"]},
+                "baseline/sac": {"return": sac["return"], "norm_return": sac["norm_return"]},
                 "baseline/sac_posthoc": {k: v for k, v in sac.items() if k not in ("grid", "return", "norm_return")},
                 "baseline/iid": {"bound": pb["iid_bound"], "coverage": pb["iid_coverage"]},
                 "baseline/vacuous": {"markov_bound": 1.0}}
@@ -554,7 +553,7 @@ PAPER = Paper(
     claim=Claim(all_of=(
         Compare("method/markov_bound", "<", 1.0),  # non-vacuous: the loss lies in [0, 1]
         Compare("method/markov_bound", ">=", "method/validation_loss"),
-        Compare("method/norm_return", ">=", "baseline/sac/norm_return_x0.9"),
+        Compare("method/norm_return", ">=", "baseline/sac/norm_return", scale=0.9),
         Compare("method/markov_bound", "<", "baseline/sac_posthoc/markov_bound"),
     ), summary="PB-SAC's Markov certificate is non-vacuous, valid, tighter than a post-hoc one, at SAC's return"),
 )

@@ -409,7 +409,7 @@ def _run_stats(problem, insts, x: np.ndarray, steps: np.ndarray, max_steps: int)
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     data = load(ctx.data_dir)
-    out: dict[str, float] = {"detail/bound/one": 1.0, "detail/bound/rate": 0.99}
+    out: dict[str, float] = {}
     for pi, problem in enumerate(PROBLEMS):
         insts, rng = data[problem], np.random.default_rng([p.seed, 100 + pi])
         n = len(insts[0]["naive"][1])
@@ -476,9 +476,9 @@ PAPER = Paper(
     evaluate=evaluate,
     primary=("method/bin_feas", "max"),
     claim=Claim(all_of=tuple(itertools.chain.from_iterable((
-        Compare(f"method/{pr}/conditions_ok", ">=", "detail/bound/one"),
-        Compare(f"method/{pr}/pgd_bin_feas", ">=", "detail/bound/rate"),
-        Compare(f"method/{pr}/adam_bin_feas", ">=", "detail/bound/rate"),
+        Compare(f"method/{pr}/conditions_ok", ">=", 1.0),
+        Compare(f"method/{pr}/pgd_bin_feas", ">=", 0.99),
+        Compare(f"method/{pr}/adam_bin_feas", ">=", 0.99),
         Compare(f"method/{pr}/bin_feas", ">", f"baseline/naive/{pr}/bin_feas"),
     ) for pr in PROBLEMS)), summary="per problem (knapsack candidate, open pit, small and large TSP): the proposed "
                                     "relaxation passes C1 + C2, >= 99% of PGD and Adam runs end binary and feasible, "

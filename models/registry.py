@@ -10,6 +10,7 @@ import importlib
 import pkgutil
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import models
 from models.contract import Paper, PaperParams
 
 PROFILES = ("test", "smoke", "full")
+DEFAULT_PROFILE = "smoke"  # what `paperline run` runs; its data is the hand-written `prepare@<id>` DVC stage
 _NOT_PAPERS = {"contract", "registry", "common"}
 
 
@@ -124,3 +126,61 @@ def validate(paper: Paper, raw: Mapping[str, Any], where: str) -> PaperParams:
             reason = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
             problems.append(f"{where}.{key}: {reason} (got {err.get('input')!r})")
         raise ConfigError("invalid parameters:\n  " + "\n  ".join(problems)) from None
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """One replicate of a run: the params as given with seed `seed + index` (and without `replicates`, which
+    says how many there are, not what one of them does), validated."""
+
+    index: int
+    raw: dict[str, Any]
+    params: PaperParams
+    is_default: bool  # its data is the hand-written `prepare@<id>` stage (replicate 0 of a default run)
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """One run as asked for, resolved once (by the CLI, a deployment or the suite) and handed down as a value."""
+
+    paper: str
+    profile: str
+    overrides: dict[str, Any]
+    raw: dict[str, Any]   # the profile section + overrides as given: the cache key's params
+    params: PaperParams   # validated
+
+    @property
+    def replicates(self) -> int:
+        return self.params.replicates
+
+    @property
+    def is_default(self) -> bool:
+        return self.profile == DEFAULT_PROFILE and not self.overrides
+
+    def replicate(self, index: int) -> Replicate:
+        seed = self.params.seed + index
+        params = self.params.model_copy(update={"seed": seed, "replicates": 1})
+        return Replicate(index, replicate_raw(self.raw, index), params, self.is_default and index == 0)
+
+
+def replicate_raw(raw: Mapping[str, Any], index: int) -> dict[str, Any]:
+    """Replicate `index`'s params as given (no validation: the CLI's cached-rerun check uses it before any import)."""
+    seed = raw.get("seed", 0)
+    return {**{k: v for k, v in raw.items() if k != "replicates"},
+            "seed": seed + index if isinstance(seed, int) else seed}
+
+
+def replicate_count(raw: Mapping[str, Any]) -> int:
+    count = raw.get("replicates", 1)
+    return count if isinstance(count, int) and count >= 1 else 1
+
+
+def request(paper_id: str, profile: str, overrides: Mapping[str, Any] | None, params_file: Path) -> RunRequest:
+    """Resolve a run request: every id, profile, key and value checked before any work (ConfigError otherwise)."""
+    overrides = parse_overrides(overrides)
+    raw = raw_params(paper_id, profile, overrides, params_file)
+    params = validate(get(paper_id), raw, where=f"papers.{paper_id}.{profile}")
+    from models.inputs import require_present  # a profile's real data must be on disk before any work
+
+    require_present(paper_id, params)
+    return RunRequest(paper_id, profile, overrides, raw, params)

@@ -25,9 +25,8 @@ import yaml
 
 from models.contract import Paper, PaperParams
 from models.inputs import input_path
+from models.registry import DEFAULT_PROFILE  # noqa: F401 - re-exported: the default run's stage is prepare@<id>
 from tasks import settings
-
-DEFAULT_PROFILE = "smoke"
 
 
 @dataclass(frozen=True)

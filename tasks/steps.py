@@ -1,4 +1,5 @@
-"""The Prefect tasks of a paper pipeline: prepare (DVC), train (DeepSpeed job), evaluate (+ claim, plots, MLflow).
+"""The Prefect tasks of a paper pipeline: prepare (DVC), train (DeepSpeed job), evaluate, per replicate; and
+`conclude`, which decides the claim over the replicates and logs it to the pipeline's parent run.
 
 The prepare task is never cached by Prefect (stale results, see STACK-NOTES): DVC's own no-op check decides.
 Train retries once on a transient fault and resumes from its checkpoint; evaluate is a pure function of the train
@@ -12,24 +13,29 @@ import json
 import math
 import os
 import threading
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from prefect import task
 
 from models.common.threads import torch_threads
 from models.contract import ClaimResult, Paper, PaperParams
-from tasks import data, tracking
+from models.registry import RunRequest
+from tasks import data, replicates, tracking
 from tasks.context import EvalContext
 from tasks.train import TrainJob, launch
 
+METRICS_FILE = "metrics.json"  # a replicate's evaluation metrics, exactly as evaluate() returned them
+
 
 @task(name="prepare", retries=1, retry_delay_seconds=2)
-def prepare_task(paper: Paper, profile: str, params: PaperParams, raw_params: dict, is_default: bool,
-                 force: bool = False) -> data.PreparedData:
-    stage = data.stage_for(paper, profile, params, raw_params, is_default)
+def prepare_task(paper: Paper, request: RunRequest, index: int, force: bool = False) -> data.PreparedData:
+    """Replicate `index`'s data: its own DVC stage (a synthetic world drawn with seed + index; a fixed dataset
+    that ignores the seed comes out with the same hash and is shared through the DVC cache)."""
+    rep = request.replicate(index)
+    stage = data.stage_for(paper, request.profile, rep.params, rep.raw, rep.is_default)
     return data.reproduce(stage, force=force)
-
-
 def _worth_retrying(task, task_run, state) -> bool:
     """A killed rank or a lost connection may not happen twice; a full disk will."""
     try:
@@ -47,7 +53,7 @@ def train_task(job: TrainJob) -> Path:
 
 @task(name="evaluate")
 def evaluate_task(paper: Paper, params: PaperParams, data_dir: Path, out_dir: Path,
-                  run_id: str | None) -> tuple[dict[str, float], ClaimResult]:
+                  run_id: str | None) -> dict[str, float]:
     return evaluate(paper, params, data_dir, out_dir, run_id)
 
 
@@ -57,45 +63,73 @@ _EVALUATING = threading.Lock()
 
 
 def evaluate(paper: Paper, params: PaperParams, data_dir: Path, out_dir: Path,
-             run_id: str | None) -> tuple[dict[str, float], ClaimResult]:
-    """Run the paper's evaluation, compute its claim, and (with a run id) log everything to that MLflow run."""
+             run_id: str | None) -> dict[str, float]:
+    """Run the paper's evaluation of one replicate; with a run id, log its metrics, plots and outputs there."""
     with _EVALUATING:
-        return _evaluate(paper, params, data_dir, out_dir, run_id)
-
-
-def _evaluate(paper: Paper, params: PaperParams, data_dir: Path, out_dir: Path,
-              run_id: str | None) -> tuple[dict[str, float], ClaimResult]:
-    plots_dir = out_dir / "plots"
-    plots_dir.mkdir(parents=True, exist_ok=True)
-    ctx = EvalContext(params=params, data_dir=data_dir, out_dir=out_dir, plots_dir=plots_dir,
-                      label=f"{paper.id} evaluate")
-    with torch_threads(paper.eval_threads):
-        metrics = {k: float(v) for k, v in paper.evaluate(ctx).items()}
+        plots_dir = out_dir / "plots"
+        plots_dir.mkdir(parents=True, exist_ok=True)
+        ctx = EvalContext(params=params, data_dir=data_dir, out_dir=out_dir, plots_dir=plots_dir,
+                          label=f"{paper.id} evaluate")
+        with torch_threads(paper.eval_threads):
+            metrics = {k: float(v) for k, v in paper.evaluate(ctx).items()}
     bad = [k for k, v in metrics.items() if not math.isfinite(v)]
     if bad:
         raise ValueError(f"{paper.id}.evaluate returned non-finite metrics: {bad}")
-    claim = paper.claim.evaluate(metrics)
-    (out_dir / "claim.json").write_text(json.dumps({"holds": claim.holds, "text": claim.text,
-                                                    "numbers": claim.numbers}, indent=1))
+    paper.claim.evaluate(metrics)  # every metric the claim names is there (KeyError naming the missing ones)
+    (out_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=1, sort_keys=True))
     if run_id:
-        _log_evaluation(run_id, metrics, claim, out_dir, plots_dir)
-    return metrics, claim
+        _log(run_id, metrics, {}, out_dir, plots_dir)
+    return metrics
 
 
-def _log_evaluation(run_id: str, metrics: dict[str, float], claim: ClaimResult, out_dir: Path,
-                    plots_dir: Path) -> None:
-    import time
+def recorded_metrics(run, out_dir: Path) -> dict[str, float]:
+    """A finished replicate's evaluation metrics, bitwise as evaluate() returned them: from its run folder, or
+    from the run's artifacts when the folder is gone."""
+    path = out_dir / METRICS_FILE
+    if not path.exists():
+        import tempfile
 
-    from mlflow.entities import Metric, RunTag
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tracking.client().download_artifacts(run.info.run_id, f"outputs/{METRICS_FILE}", tmp))
+            return json.loads(path.read_text())
+    return json.loads(path.read_text())
+
+
+def conclude(paper: Paper, run_id: str | None, per_replicate: Sequence[dict[str, float]], out_dir: Path,
+             first_replicate_dir: Path) -> ClaimResult:
+    """Decide the claim over the replicates; write `claim.json` and the forest plot; with a run id, log the
+    aggregated metrics, the claim and replicate 0's outputs and plots (the registered model's source) there."""
+    claim = paper.claim.decide(per_replicate, machine=replicates.machine_name())
+    plots_dir = out_dir / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "claim.json").write_text(json.dumps(claim.to_dict(), indent=1))
+    replicates.forest_plot(claim, plots_dir / "forest.png", paper.id)
+    if run_id:
+        from mlflow.entities import RunTag
+
+        metrics = {**replicates.aggregate(per_replicate), **replicates.claim_metrics(claim)}
+        tags = [RunTag("claim.verdict", claim.verdict), RunTag("claim.text", claim.text[:5000]),
+                RunTag("claim.reason", claim.reason[:5000]), RunTag("claim.numbers", claim.numbers[:5000]),
+                RunTag("claim.replicates", str(claim.replicates))]
+        _log(run_id, metrics, tags, first_replicate_dir, first_replicate_dir / "plots")
+        client = tracking.client()
+        client.log_artifacts(run_id, str(plots_dir), "plots")
+        client.log_artifact(run_id, str(out_dir / "claim.json"), "outputs")
+    return claim
+
+
+def _log(run_id: str, metrics: dict[str, float], tags: list, out_dir: Path, plots_dir: Path) -> None:
+    from mlflow.entities import Metric
 
     c = tracking.client()
     now = int(time.time() * 1000)
-    entries = [Metric(k, v, now, 0) for k, v in metrics.items()] + [Metric("claim/holds", float(claim.holds), now, 0)]
+    entries = [Metric(k, v, now, 0) for k, v in metrics.items()]
     for i in range(0, len(entries), 900):
         c.log_batch(run_id, metrics=entries[i : i + 900])
-    c.log_batch(run_id, tags=[RunTag("claim.holds", str(claim.holds).lower()), RunTag("claim.text", claim.text),
-                              RunTag("claim.numbers", claim.numbers[:5000])])
-    c.log_artifacts(run_id, str(plots_dir), "plots")
+    if tags:
+        c.log_batch(run_id, tags=tags)
+    if plots_dir.is_dir():
+        c.log_artifacts(run_id, str(plots_dir), "plots")
     for path in sorted(out_dir.iterdir()):
         if path.is_file() and path.name not in {"worker_spec.json"}:
             c.log_artifact(run_id, str(path), "outputs")

@@ -119,6 +119,14 @@ def find_resumable(exp_id: str, key: str):
     return runs[0] if runs else None
 
 
+def find_replicate(exp_id: str, parent_id: str, index: int, key: str):
+    """Replicate `index` of the pipeline run `parent_id`, newest first, if it started with the same work."""
+    runs = client().search_runs([exp_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}' and "
+                                f"tags.`{TAG}replicate` = '{index}' and tags.`{TAG}cache_key` = '{key}'",
+                                order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0] if runs else None
+
+
 def _git(*args: str, env: dict[str, str] | None = None) -> str:
     out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
                          timeout=30, check=True, env=env)
