@@ -16,10 +16,14 @@ Implementations, all equal up to float rounding:
 - the PyTorch fast path (`use_triton=False`): each group's tokens are gathered into a padded contiguous tile
   (G, S, D), SDPA runs on the tiles with a key-padding mask, and the result is scattered back; the CPU pipeline uses
   this path;
-- the Triton kernel `_group_attention_kernel`: one program per (batch*head, group, query tile) loads its group's
-  tokens through the index table (the gather), runs an online-softmax (flash) loop over the group's key tiles in
-  SRAM and stores the rows back at their positions (the scatter). On CPU it runs only interpreted (TRITON_INTERPRET=1,
-  set here when no GPU is present), i.e. in tests.
+- the Triton kernels (`window_attention_triton`, used with `use_triton=True`): one launch for all windows and kinds
+  of a layer. Groups are packed into query tiles sized to them (several small groups share a tile, a large one spans
+  whole tiles); a program gathers its tile's tokens through the slot table, runs an online-softmax (flash) loop over
+  the tile's key slots masked to the same group, and stores its rows at their positions (the scatter) in one fp32
+  buffer per kind; the mean over kinds rounds once. A backward pass recomputes the probabilities from the saved
+  log-sum-exp (FlashAttention-style: one kernel for dQ, one for dK and dV), so training can run through it.
+  BN, num_warps and num_stages are autotuned on GPUs. On CPU it runs only interpreted (TRITON_INTERPRET=1, set here
+  when no GPU is present), i.e. in tests.
 
 Cost: a query attends to the keys of its group, so a layer costs sum_groups |g|^2 attended pairs per kind instead of
 N^2 [attended_pairs]; FLOPs are 4 * pairs * head_dim per head (QK^T and PV).
@@ -158,56 +162,248 @@ def _tiles_torch(q, k, v, table: torch.Tensor, out_dtype=None) -> torch.Tensor:
 
 
 # ---- Triton ------------------------------------------------------------------------------------------------
+# One launch covers every (window, kind) of a layer. The groups of all kinds are packed into one slot list
+# (`_layout`): a group no larger than a query tile never straddles a tile boundary, so one BM-row tile holds several
+# small groups (a 16-token remote group does not cost a 64 x 64 tile of its own), and a larger group starts on a tile
+# boundary and spans whole tiles. A tile's keys are the slot range of the groups it holds; a "same group" mask keeps
+# the block diagonal. Each slot's row is stored at (kind, token) of an fp32 (kinds, B H, N, D) buffer; the mean over
+# kinds, in PyTorch, rounds once. The backward recomputes the probabilities from the saved log-sum-exp, like
+# FlashAttention's: one kernel for dQ (per query tile), one for dK and dV (per key tile; a tile's queries are the
+# same slot range, attention inside a group being symmetric).
+@lru_cache(maxsize=64)
+def _layout_cpu(groups: tuple, n: int, bm: int) -> tuple[torch.Tensor, ...]:
+    """Packed slots of all groups: tok (T,) token index or -1, dst (T,) kind * n + token or -1, gid (T,) group id or
+    -1, and per query tile (T / bm,) the slot range [lo, hi) of its keys; int32."""
+    sizes, members = [], []
+    for g, blk, kind in groups:
+        table = group_table(g, blk, kind)
+        sizes.append((table >= 0).sum(1))
+        members.append(table[table >= 0])
+    starts, pos = [], 0
+    for size in torch.cat(sizes).tolist():  # place the groups one after the other
+        room = bm - pos % bm
+        if size > room and pos % bm:
+            pos += room  # it would straddle a tile boundary: start it on the next tile
+        starts.append(pos)
+        pos += size
+    total = -(-pos // bm) * bm
+    size_all = torch.cat(sizes)
+    start_all = torch.tensor(starts, dtype=torch.long)
+    n_groups = len(starts)
+    gid_of = torch.repeat_interleave(torch.arange(n_groups), size_all)
+    slot = start_all[gid_of] + torch.arange(len(gid_of)) - torch.repeat_interleave(torch.cumsum(size_all, 0)
+                                                                                    - size_all, size_all)
+    kind_of = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([len(s) for s in sizes]))
+    kind_slot = torch.repeat_interleave(kind_of, size_all)
+    tok = torch.full((total,), -1, dtype=torch.long)
+    tok[slot] = torch.cat(members).long()
+    dst = torch.full((total,), -1, dtype=torch.long)
+    dst[slot] = kind_slot * n + tok[slot]
+    gid = torch.full((total,), -1, dtype=torch.long)
+    gid[slot] = gid_of
+    lo = torch.full((total,), total, dtype=torch.long)
+    hi = torch.zeros(total, dtype=torch.long)
+    lo[slot], hi[slot] = start_all[gid_of], (start_all + size_all)[gid_of]
+    lo, hi = lo.view(-1, bm).min(1).values, hi.view(-1, bm).max(1).values
+    return tuple(t.to(torch.int32) for t in (tok, dst, gid, lo, hi))
+
+
+def _tile_rows(groups) -> int:
+    """Query tile rows sized to the groups: the largest group up to 64 (a power of two, at least 16)."""
+    largest = max(int((group_table(*grp) >= 0).sum(1).max()) for grp in groups)
+    return min(64, max(16, triton.next_power_of_2(largest)))
+
+
+def _configs() -> list:
+    """BN (key tile), num_warps, num_stages; BM comes from the layout. Interpreted: one config, nothing to time."""
+    if _INTERPRETED:
+        return [triton.Config({"BN": 16}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BN": bn}, num_warps=w, num_stages=st)
+            for bn, w, st in [(16, 4, 2), (32, 4, 2), (64, 4, 2), (32, 4, 3), (64, 8, 3), (32, 8, 2)]]
+
+
 @triton.jit
-def _group_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tab_ptr, N, S, D, scale,
-                            BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr):
-    """One (batch*head, group, query tile): flash attention over the group's keys, gathered through the table."""
-    bh, grp, qt = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
+def _load_rows(ptr, base, rows, ok, rd, D, UPCAST: tl.constexpr):
+    x = tl.load(ptr + base + rows[:, None] * D + rd[None, :], mask=ok[:, None] & (rd[None, :] < D), other=0.0)
+    if UPCAST:  # the interpreter's bf16 tl.dot is wrong (Triton 3.9); compiled kernels keep bf16 tensor cores
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.autotune(configs=_configs(), key=["T", "D", "BM"])
+@triton.jit
+def _window_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, tok_ptr, dst_ptr, gid_ptr, lo_ptr, hi_ptr,
+                       N, T, D, KS, scale, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                       UPCAST: tl.constexpr):
+    """One (batch*head, query tile): online softmax over the tile's key slots, masked to the same group."""
+    bh, qt = tl.program_id(0).to(tl.int64), tl.program_id(1)
     base = bh * N * D
     rm = qt * BM + tl.arange(0, BM)
     rd = tl.arange(0, BD)
-    rows = tl.load(tab_ptr + grp * S + rm, mask=rm < S, other=-1).to(tl.int64)  # (BM,) token positions
+    rows = tl.load(tok_ptr + rm).to(tl.int64)
     row_ok = rows >= 0
-    dmask = rd[None, :] < D
-    q = tl.load(q_ptr + base + rows[:, None] * D + rd[None, :], mask=row_ok[:, None] & dmask, other=0.0)
-    if UPCAST:  # the interpreter's bf16 tl.dot is wrong (Triton 3.9); compiled kernels keep bf16 tensor cores
-        q = q.to(tl.float32)
+    gq = tl.load(gid_ptr + rm)
+    q = _load_rows(q_ptr, base, rows, row_ok, rd, D, UPCAST)
+    lo, hi = tl.load(lo_ptr + qt), tl.load(hi_ptr + qt)
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, BD), tl.float32)
-    for start in range(0, S, BN):
+    for start in range(lo, hi, BN):
         rn = start + tl.arange(0, BN)
-        cols = tl.load(tab_ptr + grp * S + rn, mask=rn < S, other=-1).to(tl.int64)  # (BN,)
+        inside = rn < hi
+        cols = tl.load(tok_ptr + rn, mask=inside, other=-1).to(tl.int64)
+        gk = tl.load(gid_ptr + rn, mask=inside, other=-1)
         col_ok = cols >= 0
-        kv_mask = col_ok[:, None] & dmask
-        k = tl.load(k_ptr + base + cols[:, None] * D + rd[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + base + cols[:, None] * D + rd[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k = _load_rows(k_ptr, base, cols, col_ok, rd, D, UPCAST)
+        v = _load_rows(v_ptr, base, cols, col_ok, rd, D, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale  # (BM, BN)
-        s = tl.where(col_ok[None, :], s, float("-inf"))
+        s = tl.where(col_ok[None, :] & (gq[:, None] == gk[None, :]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep exp() finite
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee").to(tl.float32)
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(o_ptr + base + rows[:, None] * D + rd[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & dmask)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    dst = tl.load(dst_ptr + rm).to(tl.int64)
+    tl.store(o_ptr + (bh * N * D + (dst // N) * KS + (dst % N) * D)[:, None] + rd[None, :],
+             acc / l_safe[:, None], mask=row_ok[:, None] & (rd[None, :] < D))
+    tl.store(lse_ptr + bh * T + rm, m_i + tl.log(l_safe), mask=row_ok)
 
 
-def _tiles_triton(q, k, v, table: torch.Tensor, out_dtype=None) -> torch.Tensor:
-    b, h, n, d = q.shape
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    table = table.to(q.device).contiguous()
-    out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
-    g, s = table.shape
-    bm = min(64, max(16, triton.next_power_of_2(s)))
-    bd = max(16, triton.next_power_of_2(d))
-    _group_attention_kernel[(b * h, g, triton.cdiv(s, bm))](q, k, v, out, table, n, s, d, 1.0 / math.sqrt(d),
-                                                            BM=bm, BN=bm, BD=bd, UPCAST=_INTERPRETED)
-    return out
+@triton.autotune(configs=_configs(), key=["T", "D", "BM"])
+@triton.jit
+def _window_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, tok_ptr, dst_ptr, gid_ptr, lo_ptr,
+                          hi_ptr, N, T, D, KS, scale, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                          UPCAST: tl.constexpr):
+    """dQ of one (batch*head, query tile): dS = P * (dP - delta), dQ = scale * dS K over the tile's key slots."""
+    bh, qt = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    base = bh * N * D
+    rm = qt * BM + tl.arange(0, BM)
+    rd = tl.arange(0, BD)
+    rows = tl.load(tok_ptr + rm).to(tl.int64)
+    row_ok = rows >= 0
+    gq = tl.load(gid_ptr + rm)
+    q = _load_rows(q_ptr, base, rows, row_ok, rd, D, UPCAST)
+    do = _load_rows(do_ptr, base, rows, row_ok, rd, D, UPCAST)  # the kind's share of dO (dO / kinds)
+    lse = tl.load(lse_ptr + bh * T + rm, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + bh * T + rm, mask=row_ok, other=0.0)
+    lo, hi = tl.load(lo_ptr + qt), tl.load(hi_ptr + qt)
+    dq = tl.zeros((BM, BD), tl.float32)
+    for start in range(lo, hi, BN):
+        rn = start + tl.arange(0, BN)
+        inside = rn < hi
+        cols = tl.load(tok_ptr + rn, mask=inside, other=-1).to(tl.int64)
+        gk = tl.load(gid_ptr + rn, mask=inside, other=-1)
+        col_ok = cols >= 0
+        k = _load_rows(k_ptr, base, cols, col_ok, rd, D, UPCAST)
+        v = _load_rows(v_ptr, base, cols, col_ok, rd, D, UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
+        keep = row_ok[:, None] & col_ok[None, :] & (gq[:, None] == gk[None, :])
+        p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision="ieee").to(tl.float32)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee").to(tl.float32)
+    dst = tl.load(dst_ptr + rm).to(tl.int64)
+    tl.store(dq_ptr + (bh * N * D + (dst // N) * KS + (dst % N) * D)[:, None] + rd[None, :], dq * scale,
+             mask=row_ok[:, None] & (rd[None, :] < D))
+
+
+@triton.autotune(configs=_configs(), key=["T", "D", "BM"])
+@triton.jit
+def _window_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, tok_ptr, dst_ptr,
+                            gid_ptr, lo_ptr, hi_ptr, N, T, D, KS, scale, BM: tl.constexpr, BN: tl.constexpr,
+                            BD: tl.constexpr, UPCAST: tl.constexpr):
+    """dK, dV of one (batch*head, key tile of BM slots): dV = P^T dO, dK = scale * dS^T Q over the query slots that
+    see these keys, which are the tile's own slot range [lo, hi)."""
+    bh, kt = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    base = bh * N * D
+    rn = kt * BM + tl.arange(0, BM)
+    rd = tl.arange(0, BD)
+    cols = tl.load(tok_ptr + rn).to(tl.int64)
+    col_ok = cols >= 0
+    gk = tl.load(gid_ptr + rn)
+    k = _load_rows(k_ptr, base, cols, col_ok, rd, D, UPCAST)
+    v = _load_rows(v_ptr, base, cols, col_ok, rd, D, UPCAST)
+    lo, hi = tl.load(lo_ptr + kt), tl.load(hi_ptr + kt)
+    dk = tl.zeros((BM, BD), tl.float32)
+    dv = tl.zeros((BM, BD), tl.float32)
+    for start in range(lo, hi, BN):
+        rm = start + tl.arange(0, BN)
+        inside = rm < hi
+        rows = tl.load(tok_ptr + rm, mask=inside, other=-1).to(tl.int64)
+        gq = tl.load(gid_ptr + rm, mask=inside, other=-1)
+        row_ok = rows >= 0
+        q = _load_rows(q_ptr, base, rows, row_ok, rd, D, UPCAST)
+        do = _load_rows(do_ptr, base, rows, row_ok, rd, D, UPCAST)
+        lse = tl.load(lse_ptr + bh * T + rm, mask=row_ok, other=0.0)
+        delta = tl.load(delta_ptr + bh * T + rm, mask=row_ok, other=0.0)
+        st = tl.dot(k, tl.trans(q), input_precision="ieee").to(tl.float32) * scale  # (BM keys, BN queries)
+        keep = col_ok[:, None] & row_ok[None, :] & (gk[:, None] == gq[None, :])
+        pt = tl.where(keep, tl.exp(st - lse[None, :]), 0.0)
+        dv += tl.dot(pt.to(do.dtype), do, input_precision="ieee").to(tl.float32)
+        dpt = tl.dot(v, tl.trans(do), input_precision="ieee").to(tl.float32)
+        dst_ = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst_.to(q.dtype), q, input_precision="ieee").to(tl.float32)
+    dst = tl.load(dst_ptr + rn).to(tl.int64)
+    off = (bh * N * D + (dst // N) * KS + (dst % N) * D)[:, None] + rd[None, :]
+    mask = col_ok[:, None] & (rd[None, :] < D)
+    tl.store(dk_ptr + off, dk * scale, mask=mask)
+    tl.store(dv_ptr + off, dv, mask=mask)
+
+
+def _layout(groups, n: int, device):
+    bm = _tile_rows(groups)
+    return bm, [t.to(device) for t in _layout_cpu(tuple(groups), n, bm)]
+
+
+def _per_kind(x: torch.Tensor, nk: int) -> torch.Tensor:
+    return torch.empty((nk, *x.shape), dtype=torch.float32, device=x.device)
+
+
+class _WindowAttention(torch.autograd.Function):
+    """All groups of a layer in one forward launch; the backward recomputes P from the saved log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, groups):
+        b, h, n, d = q.shape
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        bm, (tok, dst, gid, lo, hi) = _layout(groups, n, q.device)
+        nk, t = len(groups), tok.numel()
+        o = _per_kind(q, nk)  # (kinds, B, H, N, D) fp32: each kind's output, every token once per kind
+        lse = torch.empty((b * h, t), dtype=torch.float32, device=q.device)
+        bd = max(16, triton.next_power_of_2(d))
+        _window_fwd_kernel[(b * h, t // bm)](q, k, v, o, lse, tok, dst, gid, lo, hi, n, t, d, o[0].numel(),
+                                             1.0 / math.sqrt(d), BM=bm, BD=bd, UPCAST=_INTERPRETED)
+        ctx.save_for_backward(q, k, v, o, lse, tok, dst, gid, lo, hi)
+        ctx.bm, ctx.bd = bm, bd
+        return (o.sum(0) / nk if nk > 1 else o[0]).to(q.dtype)  # the mean over kinds, one rounding
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, o, lse, tok, dst, gid, lo, hi = ctx.saved_tensors
+        b, h, n, d = q.shape
+        nk, t, bm = o.shape[0], tok.numel(), ctx.bm
+        do = (grad.float() / nk).contiguous()  # every kind's output enters the mean with weight 1 / kinds
+        # delta = rowsum(dO * O) per slot: slot j holds token tok[j] of kind dst[j] // n
+        ok = tok >= 0
+        delta = torch.zeros((b * h, t), dtype=torch.float32, device=q.device)
+        o_slots = o.view(nk, b * h, n, d)[(dst[ok] // n).long(), :, tok[ok].long()]  # (slots, B H, D)
+        delta[:, ok] = (o_slots * do.view(b * h, n, d)[:, tok[ok].long()].transpose(0, 1)).sum(-1).T
+        do_in = do.to(q.dtype) if not _INTERPRETED else do
+        dq, dk, dv = _per_kind(q, nk), _per_kind(q, nk), _per_kind(q, nk)
+        scale = 1.0 / math.sqrt(d)
+        _window_bwd_dq_kernel[(b * h, t // bm)](q, k, v, do_in, lse, delta, dq, tok, dst, gid, lo, hi, n, t, d,
+                                                o[0].numel(), scale, BM=bm, BD=ctx.bd, UPCAST=_INTERPRETED)
+        _window_bwd_dkdv_kernel[(b * h, t // bm)](q, k, v, do_in, lse, delta, dk, dv, tok, dst, gid, lo, hi, n, t,
+                                                  d, o[0].numel(), scale, BM=bm, BD=ctx.bd, UPCAST=_INTERPRETED)
+        return dq.sum(0).to(q.dtype), dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype), None
+
+
+def window_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups) -> torch.Tensor:
+    """The mean over `groups` ((grid, block, kind) triples) of group attention, one Triton launch; differentiable."""
+    return _WindowAttention.apply(q, k, v, tuple(groups))
 
 
 def multiscale_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_sizes, grid=None,
@@ -216,8 +412,10 @@ def multiscale_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
     `window_sizes`: one window or a list; with `grid=(F, H, W)` a window is an (f, h, w) block shape, with
     `grid=None` a length; -1 keeps the axis whole."""
-    tiles = _tiles_triton if use_triton else _tiles_torch
     groups = _groups(q.shape[-2], window_sizes, grid, remote)
+    if use_triton:
+        return window_attention_triton(q, k, v, groups)
+    tiles = _tiles_torch
     if len(groups) == 1:
         return tiles(q, k, v, group_table(*groups[0], q.device))
     # several outputs: keep each in fp32 and round once, after the mean

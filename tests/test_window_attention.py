@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 from kernels import window_attention as W  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a CUDA GPU")
 
 
 def _qkv(b, h, n, d, dtype=torch.float32, seed=0):
@@ -59,6 +60,72 @@ def test_one_window_covering_everything_without_remote_is_full_attention(n, grid
     q, k, v = _qkv(2, 2, n, 16)
     out = W.multiscale_window_attention(q, k, v, window, grid, remote=False, use_triton=use_triton)
     assert torch.allclose(out, W.full_attention_ref(q, k, v), atol=2e-6)
+
+
+# backward cases: groups over two tiles (S = 70), several windows and both kinds in one launch, a 3D grid with
+# partial edge blocks, a single token
+GRAD_CASES = [
+    (1, 1, 70, 12, [70, 9], None, True, torch.float32),
+    (1, 2, 60, 8, [(2, 2, 3), (-1, 1, 5)], (3, 4, 5), True, torch.float32),
+    (2, 1, 37, 16, [8], None, True, torch.bfloat16),
+    (1, 1, 1, 8, [4], None, True, torch.float32),
+]
+
+
+@pytest.mark.parametrize("b,h,n,d,windows,grid,remote,dtype", GRAD_CASES)
+def test_backward_matches_autograd_of_the_reference(b, h, n, d, windows, grid, remote, dtype):
+    q, k, v = (t.requires_grad_() for t in _qkv(b, h, n, d, dtype))
+    g = torch.Generator().manual_seed(7)
+    dout = torch.randn(b, h, n, d, generator=g).to(dtype).to(DEVICE)
+    out = W.multiscale_window_attention(q, k, v, windows, grid, remote, use_triton=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref32 = torch.autograd.grad(W.window_attention_ref(*(t.float() for t in (q, k, v)), windows, grid, remote),
+                                (q, k, v), dout.float())
+    ref_same = torch.autograd.grad(W.window_attention_ref(q, k, v, windows, grid, remote), (q, k, v), dout)
+    for name, got, want, same in zip("qkv", grads, ref32, ref_same, strict=True):
+        assert got.dtype == dtype and got.shape == q.shape
+        # fp32: a few ulps of the gradient's scale; bf16: twice the same-precision reference's own error
+        tol = max(2 * float((same.float() - want.float()).abs().max()), 1e-5 * float(want.abs().max()) + 1e-6)
+        err = float((got.float() - want.float()).abs().max())
+        assert err <= tol, f"d{name}: max abs error {err:.3g} > {tol:.3g}"
+
+
+def test_layout_packs_small_groups_into_shared_tiles_and_never_splits_one():
+    grid, blocks = (4, 6, 6), [(1, -1, -1)]  # close groups: frames of 36 tokens; remote groups: 4 tokens
+    groups = W._groups(144, blocks, grid, True)
+    bm = W._tile_rows(groups)
+    assert bm == 64  # sized to the largest group (36 -> 64)
+    tok, dst, gid, lo, hi = (t.long() for t in W._layout_cpu(tuple(groups), 144, bm))
+    valid = tok >= 0
+    assert sorted(dst[valid].tolist()) == list(range(2 * 144))  # every token once per kind
+    assert (dst[valid] % 144 == tok[valid]).all()
+    for gi in gid[valid].unique().tolist():  # a group no larger than a tile lies inside one tile
+        slots = (gid == gi).nonzero().flatten()
+        assert (slots.diff() == 1).all()
+        assert slots[0] // bm == slots[-1] // bm
+    # 4 close groups of 36 take a tile each (two would not fit in 64); the 36 remote groups of 4 fill the rest of the
+    # last one and two more: 6 tiles instead of the 40 of one tile per group
+    assert len(tok) == 6 * bm
+    for t in range(6):  # a tile's key range spans exactly the groups of its query rows
+        ids = gid[t * bm : (t + 1) * bm]
+        slots = torch.isin(gid, ids[ids >= 0]).nonzero().flatten()
+        assert (int(lo[t]), int(hi[t])) == (int(slots.min()), int(slots.max()) + 1)
+
+
+@gpu
+@pytest.mark.gpu
+def test_compiled_bf16_forward_and_backward_at_a_video_size():
+    """Compiled, bf16 tensor cores: 16 x 16 x 16 tokens, whole-frame blocks (close 256, remote 16), vs fp32."""
+    grid, windows = (16, 16, 16), [(1, -1, -1)]
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 4, 4096, 64, torch.bfloat16))
+    dout = torch.randn_like(q)
+    out = W.multiscale_window_attention(q, k, v, windows, grid, use_triton=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = W.window_attention_ref(*(t.float() for t in (q, k, v)), windows, grid)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout.float())
+    assert float((out.float() - ref).abs().max()) < 2e-2
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert float((got.float() - want).abs().max()) <= 2e-2 * float(want.abs().max()) + 1e-3
 
 
 def test_groups_partition_the_tokens_into_blocks_and_strided_offsets():
