@@ -5,9 +5,9 @@ Paper: 000_2dd18ae8605fb5c1.txt, abstract 3. Spec: ../shared/papers/token_sparse
 Per head, a reduced set of token positions is chosen [importance_scores, select_tokens]; Q, K and V are gathered
 to it [gather_tokens, a Triton kernel], unchanged causal dense attention runs on the compact tensors (PyTorch
 SDPA: FlashAttention on GPUs), and the outputs are scattered back to their positions [scatter_tokens, a Triton
-kernel]; unselected positions get zero for that head, so their residual stream passes unchanged and a later layer
-may select them again (reversible, unlike eviction). Sorted indices keep causal masking valid on the compact
-sequence. With keep_ratio=1.0 every token is kept and the result equals dense attention.
+kernel; both autotuned on GPUs]; unselected positions get zero for that head, so their residual stream passes
+unchanged and a later layer may select them again (reversible, unlike eviction). Sorted indices keep causal masking
+valid on the compact sequence. With keep_ratio=1.0 every token is kept and the result equals dense attention.
 
 Scoring and budget (the abstract names neither; the spec's choices):
 1. importance: per head, attention probabilities of the last W queries (observation window) to the earlier keys,
@@ -34,10 +34,23 @@ if not torch.cuda.is_available():  # Triton runs on CPU only through its interpr
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-
 # ---- Triton gather / scatter -------------------------------------------------------------------------------
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _configs() -> list:
+    """Kept tokens per program (BN), num_warps, num_stages; pure copies, so every config moves the same bits.
+    Interpreted: one config (the autotuner then times nothing)."""
+    if _INTERPRETED:
+        return [triton.Config({"BN": 64}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BN": bn}, num_warps=w, num_stages=st)
+            for bn, w, st in [(16, 2, 1), (32, 4, 1), (64, 4, 2), (128, 4, 2), (64, 8, 3), (128, 8, 3)]]
+
+
+# keyed on the kept count rounded to a power of two, so a new budget per layer or per prompt does not retune
+@triton.autotune(configs=_configs(), key=["n_bucket", "D"])
 @triton.jit
-def _gather_kernel(x_ptr, idx_ptr, out_ptr, L, n, D, BN: tl.constexpr, BD: tl.constexpr):
+def _gather_kernel(x_ptr, idx_ptr, out_ptr, L, n, n_bucket, D, BN: tl.constexpr, BD: tl.constexpr):
     """out[bh, j, :] = x[bh, idx[bh, j], :] for a block of BN kept tokens of one (batch, head)."""
     bh, pid = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     rj = pid * BN + tl.arange(0, BN)
@@ -48,8 +61,9 @@ def _gather_kernel(x_ptr, idx_ptr, out_ptr, L, n, D, BN: tl.constexpr, BD: tl.co
     tl.store(out_ptr + bh * n * D + rj[:, None] * D + rd[None, :], vals, mask=mask)
 
 
+@triton.autotune(configs=_configs(), key=["n_bucket", "D"])
 @triton.jit
-def _scatter_kernel(y_ptr, idx_ptr, out_ptr, L, n, D, BN: tl.constexpr, BD: tl.constexpr):
+def _scatter_kernel(y_ptr, idx_ptr, out_ptr, L, n, n_bucket, D, BN: tl.constexpr, BD: tl.constexpr):
     """out[bh, idx[bh, j], :] = y[bh, j, :]; `out` is zero-initialised, indices are distinct."""
     bh, pid = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     rj = pid * BN + tl.arange(0, BN)
@@ -60,8 +74,8 @@ def _scatter_kernel(y_ptr, idx_ptr, out_ptr, L, n, D, BN: tl.constexpr, BD: tl.c
     tl.store(out_ptr + bh * L * D + dst[:, None] * D + rd[None, :], vals, mask=mask)
 
 
-def _blocks(n: int, d: int) -> tuple[int, int]:
-    return min(64, triton.next_power_of_2(max(n, 1))), triton.next_power_of_2(d)
+def _grid(bh: int, n: int):
+    return lambda meta: (bh, triton.cdiv(n, meta["BN"]))
 
 
 def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -70,8 +84,8 @@ def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     n = idx.shape[-1]
     x, idx = x.contiguous(), idx.contiguous()
     out = torch.empty((b, h, n, d), dtype=x.dtype, device=x.device)
-    bn, bd = _blocks(n, d)
-    _gather_kernel[(b * h, triton.cdiv(n, bn))](x, idx, out, length, n, d, BN=bn, BD=bd)
+    _gather_kernel[_grid(b * h, n)](x, idx, out, length, n, triton.next_power_of_2(max(n, 1)), d,
+                                    BD=triton.next_power_of_2(d))
     return out
 
 
@@ -84,8 +98,8 @@ def scatter_tokens(y: torch.Tensor, idx: torch.Tensor, length: int) -> torch.Ten
     b, h, n, d = y.shape
     y, idx = y.contiguous(), idx.contiguous()
     out = torch.zeros((b, h, length, d), dtype=y.dtype, device=y.device)
-    bn, bd = _blocks(n, d)
-    _scatter_kernel[(b * h, triton.cdiv(n, bn))](y, idx, out, length, n, d, BN=bn, BD=bd)
+    _scatter_kernel[_grid(b * h, n)](y, idx, out, length, n, triton.next_power_of_2(max(n, 1)), d,
+                                     BD=triton.next_power_of_2(d))
     return out
 
 

@@ -13,11 +13,13 @@ if not torch.cuda.is_available():
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import triton  # noqa: E402
 
 from kernels import token_sparse as T  # noqa: E402
 from models import token_sparse_attention as M  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a CUDA GPU")
 
 
 def _qkv(b, h, length, d, dtype=torch.float32, seed=0):
@@ -38,6 +40,27 @@ def test_gather_scatter_match_torch_bitwise(b, h, length, d, n, dtype):
     assert torch.equal(out, T.scatter_tokens_ref(yc, idx, length))
     unselected = torch.ones(b, h, length, dtype=torch.bool, device=DEVICE).scatter(2, idx, False)
     assert (out[unselected] == 0).all()  # skipped positions get zero for that head
+
+
+@gpu
+@pytest.mark.gpu
+def test_compiled_gather_scatter_every_config_bitwise_bf16():
+    """Compiled, bf16, a long-context head layout: each autotune config of both kernels moves exactly the bits."""
+    x, y, _ = _qkv(1, 8, 8192, 128, torch.bfloat16)
+    idx = torch.stack([torch.randperm(8192, device=DEVICE)[:2500].sort().values for _ in range(8)]).view(1, 8, 2500)
+    want_g, want_s = T.gather_tokens_ref(x, idx), T.scatter_tokens_ref(y[:, :, :2500], idx, 8192)
+    assert torch.equal(T.gather_tokens(x, idx), want_g)
+    assert torch.equal(T.scatter_tokens(y[:, :, :2500].contiguous(), idx, 8192), want_s)
+    yc = y[:, :, :2500].contiguous()
+    for cfg in T._gather_kernel.configs:
+        kw = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "BD": 128}
+        grid = (8, triton.cdiv(2500, cfg.kwargs["BN"]))
+        out = torch.empty_like(want_g)
+        T._gather_kernel.fn[grid](x, idx, out, 8192, 2500, 4096, 128, **kw)
+        assert torch.equal(out, want_g)
+        out = torch.zeros_like(want_s)
+        T._scatter_kernel.fn[grid](yc, idx, out, 8192, 2500, 4096, 128, **kw)
+        assert torch.equal(out, want_s)
 
 
 @pytest.mark.parametrize("causal", [True, False])
