@@ -18,7 +18,8 @@ What it implements (function names in brackets):
 - SGGen evaluation: graph-constrained R@K and mR@K (K = 50, 100), triplets ranked by subject x object x predicate
   score, recalled when labels match and both boxes have IoU >= 0.5 [sggen_recall]; geometric over-prediction rate
   and the entanglement cosine between class-mean pair representations of co-occurring predicates [diagnostics];
-- VG150 loader for the full profile [load_vg150] (VG-SGG-with-attri.h5 + dicts json + image_data.json).
+- VG150 loader for the full profile [load_vg150] (VG-SGG-with-attri.h5 + dicts json + image_data.json); the
+  predicate and class vocabularies come from the data [Vocab, vocab], the heads are sized from them.
 
 Smoke results (2 seeds, 600 steps). `paperline run` (2 ranks, 53 s wall on a quiet machine, 45 s training at
 17.8 it/s): does NOT hold, on the per-seed rule only. mR@100
@@ -42,16 +43,19 @@ Deviations from the paper (choices the abstract left open):
 - Training pairs: every foreground pair of a sampled image plus at most 3x as many background pairs (Motifs' 1:3).
 - Seeds differ in initialisation and in batch order; every network of every seed trains in lock-step in one engine.
 - mR@K pools hits over the test set per predicate class, then averages over classes present in the test set.
-- Full profile: VG150 boxes/labels/relations come from the h5 file, but no detector features exist offline, so
-  appearance and union cues are synthesised from the labels exactly as in the synthetic world (`h5py` is not
-  installed in the project venv: the loader imports it lazily and its test skips without it). Not done: the
-  heads are sized for the synthetic 6 + 6 predicates; running on VG150 needs the paper's geometric / non-geometric
-  partition of its 50 predicates, which the abstract does not give.
+- Full profile: VG150 boxes, labels and relations come from the h5 file, the 50 predicates and 150 classes from
+  its dicts json. No detector features exist offline: object appearance is a class prototype plus noise (a
+  stand-in for a detector's class evidence, as in the synthetic world), and the union cue carries no label at
+  all: a fixed random projection of the union box's geometry plus noise. So on VG150 the vision stream sees only
+  what the boxes say, not the image (the paper's ResNeXt-101-FPN features are not reproduced). The geometric /
+  non-geometric partition of the predicates is `geometric_predicates` (the abstract does not give the paper's;
+  the full profile uses the spatial predicates of Zellers et al.'s "geometric" category).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -80,9 +84,11 @@ class Params(PaperParams):
     source: Literal["synthetic", "vg150"] = Field("synthetic", description="Synthetic scenes or the VG150 split.")
     vg_dir: str = Field("", description="vg150: folder with VG-SGG-with-attri.h5, VG-SGG-dicts-with-attri.json, "
                                         "image_data.json.")
+    geometric_predicates: list[str] = Field(list(GEO), description="vg150: the predicates the space stream "
+                                            "predicts (the rest go to the vision stream); synthetic: fixed.")
     n_train: int = Field(1500, ge=1, description="Training images.")
     n_test: int = Field(300, ge=1, description="Test images.")
-    n_classes: int = Field(12, ge=2, description="Object classes.")
+    n_classes: int = Field(12, ge=2, description="Object classes (synthetic; vg150 takes them from the data).")
     max_objects: int = Field(6, ge=3, description="Objects per image: uniform in 3..max_objects.")
     sigma_app: float = Field(0.6, ge=0, description="Appearance noise around the class prototype.")
     rho: float = Field(0.6, ge=0, le=1, description="Co-occurrence strength: P(pair also carries a non-geo predicate).")
@@ -104,6 +110,28 @@ class Params(PaperParams):
 
 
 # ---- data --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Vocab:
+    """Predicates (index 0 background, then geometric, then non-geometric), object classes, tied pairs."""
+
+    predicates: tuple[str, ...]
+    n_geo: int
+    n_classes: int
+    tied: tuple[tuple[str, str], ...] = ()  # (geometric, non-geometric) pairs whose representations we compare
+
+    @property
+    def n_sem(self) -> int:
+        return len(self.predicates) - 1 - self.n_geo
+
+
+def vocab(data_dir: Path, p: Params) -> Vocab:
+    """The synthetic world's fixed vocabulary, or the one prepare wrote from the data (`vocab.json`, VG150)."""
+    if (data_dir / "vocab.json").exists():
+        v = json.loads((data_dir / "vocab.json").read_text())
+        return Vocab(tuple(v["predicates"]), v["n_geo"], v["n_classes"], tuple(map(tuple, v["tied"])))
+    return Vocab(PREDICATES, len(GEO), p.n_classes, tuple((g, s) for g, sems in TIED.items() for s in sems))
+
+
 def _iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """IoU of (..., 4) boxes (x, y, w, h), broadcast."""
     ix = np.clip(np.minimum(a[..., 0] + a[..., 2], b[..., 0] + b[..., 2]) - np.maximum(a[..., 0], b[..., 0]), 0, None)
@@ -161,7 +189,10 @@ def draw_image(p: Params, rng: np.random.Generator, protos: np.ndarray, cue_prot
 
 def prepare(p: Params, out_dir: Path) -> None:
     if p.source == "vg150":
-        return write_tables(out_dir, *load_vg150(input_path(p.vg_dir), p), p)
+        images, splits, voc = load_vg150(input_path(p.vg_dir), p)
+        (out_dir / "vocab.json").write_text(json.dumps({"predicates": voc.predicates, "n_geo": voc.n_geo,
+                                                        "n_classes": voc.n_classes, "tied": voc.tied}))
+        return write_tables(out_dir, images, splits, p)
     rng = np.random.default_rng(p.seed)
     protos = rng.standard_normal((p.n_classes, APP))
     cue_protos = rng.standard_normal((len(SEM), APP))
@@ -195,17 +226,25 @@ def write_tables(out_dir: Path, images: list, splits: list[str], p: Params) -> N
     write_table(out_dir / "proposals.parquet", {k: np.asarray(v) for k, v in prop.items()})
 
 
-def load_vg150(folder: Path, p: Params):
-    """VG150 (Xu et al. 2017) h5 + json -> the same per-image tuples as `draw_image` (features synthesised).
-    boxes_1024 hold (cx, cy, w, h) at longest side 1024; relationships index boxes globally; split 2 = test."""
+def load_vg150(folder: Path, p: Params) -> tuple[list, list[str], Vocab]:
+    """VG150 (Xu et al. 2017) h5 + json -> the same per-image tuples as `draw_image`, and the data's vocabulary.
+    boxes_1024 hold (cx, cy, w, h) at longest side 1024; relationships index boxes globally; split 2 = test.
+    Predicates are renumbered: background 0, then `p.geometric_predicates`, then the rest (VG order). No feature
+    is derived from a predicate label: the union cue is a fixed projection of the union box's geometry + noise."""
     import h5py
 
     info = json.loads((folder / "VG-SGG-dicts-with-attri.json").read_text())
     sizes = json.loads((folder / "image_data.json").read_text())
-    n_pred = len(info["idx_to_predicate"])
+    names = [info["idx_to_predicate"][k] for k in sorted(info["idx_to_predicate"], key=int)]  # VG index 1..P
+    unknown = sorted(set(p.geometric_predicates) - set(names))
+    if unknown:
+        raise ValueError(f"geometric_predicates not in {folder}: {unknown}")
+    order = [n for n in names if n in p.geometric_predicates] + [n for n in names if n not in p.geometric_predicates]
+    relabel = np.array([0] + [order.index(n) + 1 for n in names])  # VG predicate index -> ours
+    n_geo, n_classes = len(p.geometric_predicates), len(info["idx_to_label"])
     rng = np.random.default_rng(p.seed)
-    protos = rng.standard_normal((len(info["idx_to_label"]) + 1, APP))
-    cue_protos = rng.standard_normal((n_pred + 1, APP))
+    protos = rng.standard_normal((n_classes, APP))
+    union_proj = rng.standard_normal((8, APP)) / np.sqrt(8)  # union-box geometry -> cue (no label involved)
     images, splits = [], []
     with h5py.File(folder / "VG-SGG-with-attri.h5", "r") as f:
         boxes_all, labels_all, rels_all, preds_all = (f["boxes_1024"][:], f["labels"][:, 0], f["relationships"][:],
@@ -222,12 +261,15 @@ def load_vg150(folder: Path, p: Params):
             app = protos[cls] + p.sigma_app * rng.standard_normal((len(cls), APP))
             rels = []
             for r in range(r0, r1 + 1) if r0 >= 0 else ():
-                pred = int(preds_all[r])
-                cue = cue_protos[pred] * p.s_cue + p.sigma_cue * rng.standard_normal(APP)
-                rels.append((int(rels_all[r, 0]) - b0, int(rels_all[r, 1]) - b0, pred, pred, 0, True, cue))
+                s, o, pred = int(rels_all[r, 0]) - b0, int(rels_all[r, 1]) - b0, int(relabel[preds_all[r]])
+                lo = np.minimum(boxes[s, :2], boxes[o, :2])
+                hi = np.maximum(boxes[s, :2] + boxes[s, 2:], boxes[o, :2] + boxes[o, 2:])
+                geom = np.concatenate([lo, hi - lo, boxes[s, 2:] / (hi - lo), boxes[o, 2:] / (hi - lo)])  # (8,)
+                cue = np.tanh(geom @ union_proj) * p.s_weak + p.sigma_cue * rng.standard_normal(APP)
+                rels.append((s, o, pred, pred if pred <= n_geo else 0, pred if pred > n_geo else 0, True, cue))
             images.append((cls, boxes, app, rels))
             splits.append("train" if split == 0 else "test")
-    return images, splits
+    return images, splits, Vocab(("__background__", *order), n_geo, n_classes)
 
 
 # ---- pair features -----------------------------------------------------------------------------------------
@@ -251,6 +293,7 @@ def pair_rows(data_dir: Path, split: str, p: Params) -> dict[str, np.ndarray]:
     cls_lookup = {(int(i), int(j)): int(c) for i, j, c in zip(objs["image_id"], objs["obj_id"], objs["class"],
                                                                strict=True)}
     noise = np.random.default_rng([p.seed, 2, split == "test"])
+    n_classes = vocab(data_dir, p).n_classes  # distractor proposals get class n_classes
     out: dict[str, list] = {k: [] for k in ("image", "sp", "op", "s_gt", "o_gt", "s_cls", "o_cls", "label", "rel")}
     feats: dict[str, list] = {k: [] for k in ("s_in", "o_in", "cue", "spatial")}
     starts = np.searchsorted(props["image_id"], keep_img)
@@ -264,8 +307,8 @@ def pair_rows(data_dir: Path, split: str, p: Params) -> dict[str, np.ndarray]:
         for s, o in zip(s_idx, o_idx, strict=True):
             lab, k = rel_lookup.get((int(img), int(gt[s]), int(gt[o])), (0, -1))  # distractors: gt -1, no match
             cue = rels["cue"][k] if k >= 0 else p.sigma_cue * noise.standard_normal(APP)
-            for key, v in zip(out, (img, s, o, gt[s], gt[o], cls_lookup.get((int(img), int(gt[s])), p.n_classes),
-                                    cls_lookup.get((int(img), int(gt[o])), p.n_classes), lab, k), strict=True):
+            for key, v in zip(out, (img, s, o, gt[s], gt[o], cls_lookup.get((int(img), int(gt[s])), n_classes),
+                                    cls_lookup.get((int(img), int(gt[o])), n_classes), lab, k), strict=True):
                 out[key].append(v)
             feats["cue"].append(cue)
         feats["s_in"].append(np.concatenate([app[s_idx], box[s_idx]], 1))
@@ -277,9 +320,9 @@ def pair_rows(data_dir: Path, split: str, p: Params) -> dict[str, np.ndarray]:
     return rows
 
 
-def frequency_bias(rows: dict[str, np.ndarray], n_classes: int) -> np.ndarray:
+def frequency_bias(rows: dict[str, np.ndarray], n_classes: int, n_predicates: int = len(PREDICATES)) -> np.ndarray:
     """Motifs' log p(predicate | subject class, object class) from training pairs (distractor class included)."""
-    counts = np.ones((n_classes + 1, n_classes + 1, len(PREDICATES)))  # Laplace smoothing
+    counts = np.ones((n_classes + 1, n_classes + 1, n_predicates))  # Laplace smoothing
     np.add.at(counts, (rows["s_cls"], rows["o_cls"], rows["label"]), 1)
     return np.log(counts / counts.sum(-1, keepdims=True)).astype(np.float32)
 
@@ -305,13 +348,14 @@ class ObjectBranch(nn.Module):
 
 
 class Host(nn.Module):
-    """Single-stream predicate head: one hidden vector -> logits over background + 12 predicates."""
+    """Single-stream predicate head: one hidden vector -> logits over background + every predicate."""
 
-    def __init__(self, n_classes: int, width: int, fb: np.ndarray | None, rounds: int = 0):
+    def __init__(self, n_classes: int, width: int, fb: np.ndarray | None, rounds: int = 0,
+                 n_geo: int = len(GEO), n_sem: int = len(SEM)):
         super().__init__()  # rounds: unused by the single stream (same signature as DSNet)
         self.obj = ObjectBranch(n_classes, width)
         self.body = nn.Sequential(mlp(4 * width + APP + N_SPATIAL, 2 * width, 2 * width), nn.ReLU())
-        self.head = nn.Linear(2 * width, len(PREDICATES))
+        self.head = nn.Linear(2 * width, 1 + n_geo + n_sem)
         self.register_buffer("fb", torch.from_numpy(fb) if fb is not None else torch.zeros(0))
 
     def represent(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -325,7 +369,7 @@ class Host(nn.Module):
 
     def forward(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         h, ls, lo = self.represent(b)
-        logits = self.predicate_logits(h)  # (M, 13)
+        logits = self.predicate_logits(h)  # (M, 1 + G + S)
         if self.fb.numel():
             logits = logits + self.fb[ls.argmax(-1), lo.argmax(-1)]
         return logits, ls, lo, h
@@ -349,13 +393,14 @@ class CrossFusion(nn.Module):
 class DSNet(Host):
     """The host with its predicate head replaced by a space stream, a vision stream and cross-stream fusion."""
 
-    def __init__(self, n_classes: int, width: int, fb: np.ndarray | None, rounds: int = 2):
-        super().__init__(n_classes, width, fb)
+    def __init__(self, n_classes: int, width: int, fb: np.ndarray | None, rounds: int = 2,
+                 n_geo: int = len(GEO), n_sem: int = len(SEM)):
+        super().__init__(n_classes, width, fb, 0, n_geo, n_sem)
         del self.body, self.head
         self.space = nn.Sequential(mlp(N_SPATIAL, width, width), nn.ReLU())  # spatial + structural cues
         self.vision = nn.Sequential(mlp(APP + 4 * width, width, width), nn.ReLU())  # union cue + semantic priors
         self.fusion = nn.ModuleList(CrossFusion(width) for _ in range(rounds))
-        self.space_head, self.vision_head = nn.Linear(width, len(GEO)), nn.Linear(width, len(SEM))
+        self.space_head, self.vision_head = nn.Linear(width, n_geo), nn.Linear(width, n_sem)
         self.bg_head = nn.Linear(2 * width, 1)
 
     def represent(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -369,7 +414,7 @@ class DSNet(Host):
 
     def predicate_logits(self, h: torch.Tensor) -> torch.Tensor:
         h_s, h_v = h.chunk(2, -1)
-        return torch.cat([self.bg_head(h), self.space_head(h_s), self.vision_head(h_v)], -1)  # (M, 1+6+6)
+        return torch.cat([self.bg_head(h), self.space_head(h_s), self.vision_head(h_v)], -1)  # (M, 1+G+S)
 
 
 # ---- training ----------------------------------------------------------------------------------------------
@@ -380,13 +425,14 @@ def _tensors(rows: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(v) for k, v in rows.items()}
 
 
-def build(p: Params, fb: np.ndarray) -> LockStep:
+def build(p: Params, fb: np.ndarray, voc: Vocab) -> LockStep:
     nets = {}
     for s in range(p.n_seeds):
         torch.manual_seed(p.seed + s)
         for m in MODELS:
             cls = DSNet if m.startswith("ds") else Host
-            nets[f"{m}_s{s}"] = cls(p.n_classes, p.width, fb if m.endswith("fb") else None, p.fusion_rounds)
+            nets[f"{m}_s{s}"] = cls(voc.n_classes, p.width, fb if m.endswith("fb") else None, p.fusion_rounds,
+                                    voc.n_geo, voc.n_sem)
     return LockStep(nets)
 
 
@@ -414,8 +460,9 @@ def batch_sampler(rows: dict[str, torch.Tensor], p: Params):
 def train(ctx) -> None:
     p: Params = ctx.params
     rows = _tensors(pair_rows(ctx.data_dir, "train", p))
-    fb = frequency_bias({k: v.numpy() for k, v in rows.items()}, p.n_classes)
-    model = build(p, fb)
+    voc = vocab(ctx.data_dir, p)
+    fb = frequency_bias({k: v.numpy() for k, v in rows.items()}, voc.n_classes, len(voc.predicates))
+    model = build(p, fb, voc)
 
     def step_fn(engine, b, step):
         total, metrics = 0.0, {}
@@ -440,11 +487,11 @@ def train(ctx) -> None:
 
 # ---- evaluation --------------------------------------------------------------------------------------------
 def sggen_recall(rows: dict[str, np.ndarray], scores: dict[str, np.ndarray], gt: dict[str, np.ndarray],
-                 ks: tuple[int, ...] = (50, 100)) -> dict[str, float]:
+                 ks: tuple[int, ...] = (50, 100), predicates: tuple[str, ...] = PREDICATES) -> dict[str, float]:
     """Graph-constrained SGGen R@K / mR@K. scores: per pair row, top-1 non-background predicate `pred`, its score
     `pred_score`, and predicted subject/object classes `s_lab`/`o_lab` with scores `s_score`/`o_score`.
     gt: test relations (image, subj_gt, obj_gt, predicate) and per-row IoU of each proposal with each GT object."""
-    out, n_pred = {}, len(PREDICATES)
+    out, n_pred = {}, len(predicates)
     triplet = scores["s_score"] * scores["o_score"] * scores["pred_score"]
     for k in ks:
         hit = np.zeros(len(gt["predicate"]), bool)
@@ -462,7 +509,7 @@ def sggen_recall(rows: dict[str, np.ndarray], scores: dict[str, np.ndarray], gt:
         out[f"R{k}"] = float(hit.mean()) if len(hit) else 0.0
         per = [hit[gt["predicate"] == c].mean() for c in range(1, n_pred) if (gt["predicate"] == c).any()]
         out[f"mR{k}"] = float(np.mean(per)) if per else 0.0
-        out |= {f"recall_{PREDICATES[c].replace(' ', '_')}_R{k}": float(hit[gt["predicate"] == c].mean())
+        out |= {f"recall_{predicates[c].replace(' ', '_')}_R{k}": float(hit[gt["predicate"] == c].mean())
                 for c in range(1, n_pred) if (gt["predicate"] == c).any()}
     return out
 
@@ -483,25 +530,28 @@ def _gt(data_dir: Path) -> dict:
     return gt
 
 
-def diagnostics(rows: dict[str, np.ndarray], logits: np.ndarray, hidden: np.ndarray) -> dict[str, float]:
-    """Geometric over-prediction on non-geometric GT pairs; cosine of class-mean representations of tied pairs."""
-    sem_gt = rows["label"] > len(GEO)
+def diagnostics(rows: dict[str, np.ndarray], logits: np.ndarray, hidden: np.ndarray,
+                voc: Vocab | None = None) -> dict[str, float]:
+    """Geometric over-prediction on non-geometric GT pairs; cosine of class-mean representations of tied pairs
+    (VG150 names no tied pairs: the cosine is then 0)."""
+    voc = voc or Vocab(PREDICATES, len(GEO), 0, tuple((g, s) for g, sems in TIED.items() for s in sems))
+    sem_gt = rows["label"] > voc.n_geo
     top1 = logits[:, 1:].argmax(-1) + 1
-    over = float((top1[sem_gt] <= len(GEO)).mean()) if sem_gt.any() else 0.0
+    over = float((top1[sem_gt] <= voc.n_geo).mean()) if sem_gt.any() else 0.0
     cos = []
-    for geo, sems in TIED.items():
-        for sem in sems:
-            a, b = rows["label"] == PREDICATES.index(geo), rows["label"] == PREDICATES.index(sem)
-            if a.any() and b.any():
-                u, v = hidden[a].mean(0), hidden[b].mean(0)
-                cos.append(float(u @ v / (np.linalg.norm(u) * np.linalg.norm(v) + 1e-12)))
+    for geo, sem in voc.tied:
+        a, b = rows["label"] == voc.predicates.index(geo), rows["label"] == voc.predicates.index(sem)
+        if a.any() and b.any():
+            u, v = hidden[a].mean(0), hidden[b].mean(0)
+            cos.append(float(u @ v / (np.linalg.norm(u) * np.linalg.norm(v) + 1e-12)))
     return {"geo_overpred": over, "entangle_cos": float(np.mean(cos)) if cos else 0.0}
 
 
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     saved = torch.load(ctx.out_dir / "model.pt", weights_only=False)
-    model = build(p, saved["fb"])
+    voc = vocab(ctx.data_dir, p)
+    model = build(p, saved["fb"], voc)
     model.load_state_dict(saved["state"])
     model.eval()
     rows = pair_rows(ctx.data_dir, "test", p)
@@ -514,7 +564,8 @@ def evaluate(ctx) -> dict[str, float]:
             prob, ps, po = logits.softmax(-1).numpy(), ls.softmax(-1)[:, :-1].numpy(), lo.softmax(-1)[:, :-1].numpy()
             scores = {"pred": prob[:, 1:].argmax(-1) + 1, "pred_score": prob[:, 1:].max(-1), "s_lab": ps.argmax(-1),
                       "o_lab": po.argmax(-1), "s_score": ps.max(-1), "o_score": po.max(-1)}
-            result = sggen_recall(rows, scores, gt) | diagnostics(rows, logits.numpy(), h.numpy())
+            result = (sggen_recall(rows, scores, gt, predicates=voc.predicates) |
+                      diagnostics(rows, logits.numpy(), h.numpy(), voc))
             for key, value in result.items():
                 per[name.rsplit("_s", 1)[0]].setdefault(key, []).append(value)
     out = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -108,19 +109,65 @@ def test_diagnostics_overprediction_and_cosine():
     assert d["geo_overpred"] == 1.0 and d["entangle_cos"] == pytest.approx(1.0)
 
 
-def test_vg150_loader_on_fixture(tmp_path):
-    h5py = pytest.importorskip("h5py")
-    with h5py.File(tmp_path / "VG-SGG-with-attri.h5", "w") as f:
+def _vg150_fixture(folder, predicates=(4, 1)):
+    """Two images in the VG150 layout (Xu et al. 2017): boxes at longest side 1024 as (cx, cy, w, h), 1-based
+    classes and predicates, relationships indexing boxes globally, split 0 train / 2 test."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with h5py.File(folder / "VG-SGG-with-attri.h5", "w") as f:
         f["split"] = np.array([0, 2])
-        f["img_to_first_box"], f["img_to_last_box"] = np.array([0, 2]), np.array([1, 3])
-        f["img_to_first_rel"], f["img_to_last_rel"] = np.array([0, -1]), np.array([0, -1])
-        f["boxes_1024"] = np.array([[50, 50, 100, 100], [200, 150, 100, 100], [10, 10, 20, 20], [500, 500, 500, 500]])
-        f["labels"] = np.array([[1], [2], [3], [1]])
-        f["relationships"], f["predicates"] = np.array([[0, 1]]), np.array([[4]])
-    (tmp_path / "VG-SGG-dicts-with-attri.json").write_text(json.dumps(
+        f["img_to_first_box"], f["img_to_last_box"] = np.array([0, 2]), np.array([1, 4])
+        f["img_to_first_rel"], f["img_to_last_rel"] = np.array([0, 1]), np.array([0, 1])
+        f["boxes_1024"] = np.array([[50, 50, 100, 100], [200, 150, 100, 100], [100, 100, 50, 50],
+                                    [500, 500, 500, 500], [300, 600, 200, 100]])
+        f["labels"] = np.array([[1], [2], [3], [1], [2]])
+        f["relationships"] = np.array([[0, 1], [3, 2]])
+        f["predicates"] = np.array([[predicates[0]], [predicates[1]]])
+    (folder / "VG-SGG-dicts-with-attri.json").write_text(json.dumps(
         {"idx_to_label": {str(i): f"c{i}" for i in range(1, 4)},
-         "idx_to_predicate": {str(i): f"p{i}" for i in range(1, 5)}}))
-    (tmp_path / "image_data.json").write_text(json.dumps([{"width": 1024, "height": 1024}] * 2))
-    images, splits = m.load_vg150(tmp_path, _params(n_classes=3))
-    assert splits == ["train", "test"] and images[0][3][0][:3] == (0, 1, 4)
+         "idx_to_predicate": {"1": "above", "2": "riding", "3": "on", "4": "holding", "5": "near"}}))
+    (folder / "image_data.json").write_text(json.dumps([{"width": 1024, "height": 1024}, {"width": 512,
+                                                                                          "height": 256}]))
+    return folder
+
+
+def test_vg150_loader_on_fixture(tmp_path):
+    p = _params(source="vg150", geometric_predicates=["on", "above", "near"])
+    images, splits, voc = m.load_vg150(_vg150_fixture(tmp_path), p)
+    assert splits == ["train", "test"] and [len(img[0]) for img in images] == [2, 3]
+    # predicates renumbered from the data: background, geometric (VG order), then the rest
+    assert voc.predicates == ("__background__", "above", "on", "near", "riding", "holding") and voc.n_geo == 3
+    assert voc.n_classes == 3 and voc.n_sem == 2
+    s, o, label, geo, sem, _, _ = images[0][3][0]
+    assert (s, o, label, geo, sem) == (0, 1, 5, 0, 5)  # holding: non-geometric
+    assert images[1][3][0][:5] == (1, 0, 1, 1, 0)  # above (VG 1), geometric; box indices relative to the image
     assert np.allclose(images[0][1][1], [150 / 1024, 100 / 1024, 100 / 1024, 100 / 1024])
+    # a 512 x 256 image: boxes_1024 scaled by 1024 / 512, then normalised per axis
+    assert np.allclose(images[1][1][0], [(50 - 12.5) / 512, (50 - 12.5) / 256, 25 / 512, 25 / 256])
+    with pytest.raises(ValueError, match="not in"):
+        m.load_vg150(tmp_path, _params(source="vg150", geometric_predicates=["beside"]))
+
+
+def test_vg150_features_carry_no_predicate_label(tmp_path):
+    p = _params(source="vg150", geometric_predicates=["on", "above", "near"])
+    a, _, _ = m.load_vg150(_vg150_fixture(tmp_path / "a", predicates=(4, 1)), p)
+    b, _, _ = m.load_vg150(_vg150_fixture(tmp_path / "b", predicates=(2, 5)), p)
+    for img_a, img_b in zip(a, b, strict=True):
+        assert np.array_equal(img_a[2], img_b[2])  # appearance
+        for rel_a, rel_b in zip(img_a[3], img_b[3], strict=True):
+            assert rel_a[2] != rel_b[2] and np.array_equal(rel_a[6], rel_b[6])  # other label, same union cue
+
+
+def test_vg150_prepare_sizes_the_heads_from_the_data(tmp_path):
+    p = _params(source="vg150", vg_dir=str(_vg150_fixture(tmp_path / "vg")), n_distractors=1,
+                geometric_predicates=["on", "above", "near"])
+    (tmp_path / "data").mkdir()  # the stage empties and creates it
+    m.prepare(p, tmp_path / "data")
+    voc = m.vocab(tmp_path / "data", p)
+    assert len(voc.predicates) == 6 and voc.n_classes == 3
+    rows = m.pair_rows(tmp_path / "data", "train", p)
+    fb = m.frequency_bias(rows, voc.n_classes, len(voc.predicates))
+    assert fb.shape == (4, 4, 6)
+    model = m.build(p, fb, voc)
+    logits, ls, _, _ = model.nets["ds_fb_s0"]({k: torch.from_numpy(rows[k]) for k in m.FEATS})
+    assert logits.shape == (len(rows["label"]), 6) and ls.shape[1] == 4  # 3 classes + background
+    assert set(rows["s_cls"]) <= {0, 1, 2, 3}  # distractor proposals: class 3
