@@ -50,6 +50,8 @@ if not torch.cuda.is_available():  # Triton runs on CPU only through its interpr
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from kernels import autotune_configs  # noqa: E402
+
 SEGMENTS = 16  # canonical tree width = the largest TP size
 BK = 32  # leaf width along K
 TP_SIZES = (1, 2, 4, 8, 16)
@@ -215,21 +217,19 @@ def _fold(s0, s1, s2, s3, s4, s5, n, DEPTH: tl.constexpr):
     return r
 
 
-def _matmul_configs() -> list:
-    """Tile configs of the shard kernel. BK is not among them: it fixes the leaves, hence the reduction order. BM and
-    BN only choose which outputs a program owns, num_warps / num_stages how it is scheduled; every config computes
-    the same trees (`test_every_tile_config_gives_the_same_bits`, compiled, checks that the leaf dot does not change
-    with them either). Interpreted, one small config: the autotuner then benchmarks nothing."""
-    if INTERPRET:
-        return [triton.Config({"BM": 16, "BN": 32}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=st)
-            for bm, bn, w, st in [(64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3),
-                                  (64, 64, 8, 4), (64, 128, 8, 4), (128, 128, 8, 2), (128, 64, 8, 4)]]
+# Tile configs of the shard kernel. BK is not among them: it fixes the leaves, hence the reduction order. BM and BN
+# only choose which outputs a program owns, num_warps / num_stages how it is scheduled; every config computes the
+# same trees (`test_every_tile_config_gives_the_same_bits`, compiled, checks that the leaf dot does not change with
+# them either).
+MATMUL_CONFIGS = [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=st)
+                  for bm, bn, w, st in [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3),
+                                        (64, 64, 8, 4), (64, 128, 8, 4), (128, 128, 8, 2), (128, 64, 8, 4)]]
+_ONE_CONFIG = (triton.Config({"BM": 16, "BN": 32}, num_warps=4, num_stages=1) if INTERPRET else MATMUL_CONFIGS[0])
 
 
 # Keyed on what every TP size shares (M, N, the segment width, the dtypes), not on the shard's K: in one process
 # all TP sizes run with the config the first call picked.
-@triton.autotune(configs=_matmul_configs(), key=["M", "N", "seg_len"])
+@triton.autotune(configs=autotune_configs(MATMUL_CONFIGS, _ONE_CONFIG), key=["M", "N", "seg_len"])
 @triton.jit
 def _shard_matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, seg_len, n_leaves, n_segments,
                          stride_xm, stride_xk, stride_wk, stride_wn,

@@ -34,21 +34,20 @@ if not torch.cuda.is_available():  # Triton runs on CPU only through its interpr
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from kernels import autotune_configs  # noqa: E402
+
 # ---- Triton gather / scatter -------------------------------------------------------------------------------
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _configs() -> list:
-    """Kept tokens per program (BN), num_warps, num_stages; pure copies, so every config moves the same bits.
-    Interpreted: one config (the autotuner then times nothing)."""
-    if _INTERPRETED:
-        return [triton.Config({"BN": 64}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BN": bn}, num_warps=w, num_stages=st)
-            for bn, w, st in [(16, 2, 1), (32, 4, 1), (64, 4, 2), (128, 4, 2), (64, 8, 3), (128, 8, 3)]]
+# kept tokens per program (BN), num_warps, num_stages; pure copies, so every config moves the same bits.
+CONFIGS = [triton.Config({"BN": bn}, num_warps=w, num_stages=st)
+           for bn, w, st in [(64, 4, 2), (16, 2, 1), (32, 4, 1), (128, 4, 2), (64, 8, 3), (128, 8, 3)]]
+_ONE = triton.Config({"BN": 64}, num_warps=4, num_stages=1) if _INTERPRETED else CONFIGS[0]
 
 
 # keyed on the kept count rounded to a power of two, so a new budget per layer or per prompt does not retune
-@triton.autotune(configs=_configs(), key=["n_bucket", "D"])
+@triton.autotune(configs=autotune_configs(CONFIGS, _ONE), key=["n_bucket", "D"])
 @triton.jit
 def _gather_kernel(x_ptr, idx_ptr, out_ptr, L, n, n_bucket, D, BN: tl.constexpr, BD: tl.constexpr):
     """out[bh, j, :] = x[bh, idx[bh, j], :] for a block of BN kept tokens of one (batch, head)."""
@@ -61,7 +60,7 @@ def _gather_kernel(x_ptr, idx_ptr, out_ptr, L, n, n_bucket, D, BN: tl.constexpr,
     tl.store(out_ptr + bh * n * D + rj[:, None] * D + rd[None, :], vals, mask=mask)
 
 
-@triton.autotune(configs=_configs(), key=["n_bucket", "D"])
+@triton.autotune(configs=autotune_configs(CONFIGS, _ONE), key=["n_bucket", "D"])
 @triton.jit
 def _scatter_kernel(y_ptr, idx_ptr, out_ptr, L, n, n_bucket, D, BN: tl.constexpr, BD: tl.constexpr):
     """out[bh, idx[bh, j], :] = y[bh, j, :]; `out` is zero-initialised, indices are distinct."""

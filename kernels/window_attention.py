@@ -44,6 +44,8 @@ if not torch.cuda.is_available():  # Triton runs on CPU only through its interpr
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from kernels import autotune_configs  # noqa: E402
+
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -214,12 +216,10 @@ def _tile_rows(groups) -> int:
     return min(64, max(16, triton.next_power_of_2(largest)))
 
 
-def _configs() -> list:
-    """BN (key tile), num_warps, num_stages; BM comes from the layout. Interpreted: one config, nothing to time."""
-    if _INTERPRETED:
-        return [triton.Config({"BN": 16}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BN": bn}, num_warps=w, num_stages=st)
-            for bn, w, st in [(16, 4, 2), (32, 4, 2), (64, 4, 2), (32, 4, 3), (64, 8, 3), (32, 8, 2)]]
+# BN (key tile), num_warps, num_stages; BM comes from the layout. Interpreted: one config, nothing to time.
+CONFIGS = [triton.Config({"BN": bn}, num_warps=w, num_stages=st)
+           for bn, w, st in [(32, 4, 2), (16, 4, 2), (64, 4, 2), (32, 4, 3), (64, 8, 3), (32, 8, 2)]]
+_ONE = triton.Config({"BN": 16}, num_warps=4, num_stages=1) if _INTERPRETED else CONFIGS[0]
 
 
 @triton.jit
@@ -230,7 +230,7 @@ def _load_rows(ptr, base, rows, ok, rd, D, UPCAST: tl.constexpr):
     return x
 
 
-@triton.autotune(configs=_configs(), key=["T", "D", "BM"])
+@triton.autotune(configs=autotune_configs(CONFIGS, _ONE), key=["T", "D", "BM"])
 @triton.jit
 def _window_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, tok_ptr, dst_ptr, gid_ptr, lo_ptr, hi_ptr,
                        N, T, D, KS, scale, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
@@ -272,7 +272,7 @@ def _window_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, tok_ptr, dst_ptr, gi
     tl.store(lse_ptr + bh * T + rm, m_i + tl.log(l_safe), mask=row_ok)
 
 
-@triton.autotune(configs=_configs(), key=["T", "D", "BM"])
+@triton.autotune(configs=autotune_configs(CONFIGS, _ONE), key=["T", "D", "BM"])
 @triton.jit
 def _window_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, tok_ptr, dst_ptr, gid_ptr, lo_ptr,
                           hi_ptr, N, T, D, KS, scale, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
@@ -310,7 +310,7 @@ def _window_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_pt
              mask=row_ok[:, None] & (rd[None, :] < D))
 
 
-@triton.autotune(configs=_configs(), key=["T", "D", "BM"])
+@triton.autotune(configs=autotune_configs(CONFIGS, _ONE), key=["T", "D", "BM"])
 @triton.jit
 def _window_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, tok_ptr, dst_ptr,
                             gid_ptr, lo_ptr, hi_ptr, N, T, D, KS, scale, BM: tl.constexpr, BN: tl.constexpr,

@@ -153,20 +153,19 @@ def test_one_launch_writes_only_the_shard_roots():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_tile_config_gives_the_same_bits(dtype):
     """Compiled: BM, BN, num_warps and num_stages must not change a bit (ranks in different processes may each
-    autotune to a different config), at an LLM-like shape, for TP 1 and 8."""
-    x, w = _pair(256, 384, 16 * 256, dtype)
-    kern = K._shard_matmul_kernel.fn  # the jitted kernel under the autotuner
+    autotune to a different config), at an LLM-like shape; TP 16 through the autotuned path equals them all."""
+    m, n, k = 256, 384, 16 * 256
+    x, w = _pair(m, n, k, dtype)
+    seg = k // K.SEGMENTS
     outs = []
-    for cfg in K._shard_matmul_kernel.configs:
-        for tp in (1, 8):
-            per, seg = K.SEGMENTS // tp, x.shape[1] // K.SEGMENTS
-            roots = torch.empty((tp, 256, 384), dtype=torch.float32, device=DEVICE)
-            grid = (triton.cdiv(256, cfg.kwargs["BM"]) * triton.cdiv(384, cfg.kwargs["BN"]), tp)
-            kern[grid](x, w, roots, 256, 384, seg, triton.cdiv(seg, K.BK), per, x.stride(0), x.stride(1),
-                       w.stride(0), w.stride(1), BK_=K.BK, UPCAST=K._upcast(x), DEPTH=K._depth(seg),
-                       SDEPTH=per.bit_length(), GROUP_M=8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                       **cfg.kwargs)
-            outs.append(K.tree_merge(roots, dtype))
+    for cfg in K.MATMUL_CONFIGS:  # the full list, also where PAPERLINE_AUTOTUNE=0 gives the autotuner one
+        roots = torch.empty((1, m, n), dtype=torch.float32, device=DEVICE)
+        grid = (triton.cdiv(m, cfg.kwargs["BM"]) * triton.cdiv(n, cfg.kwargs["BN"]), 1)
+        K._shard_matmul_kernel.fn[grid](x, w, roots, m, n, seg, triton.cdiv(seg, K.BK), K.SEGMENTS, x.stride(0),
+                                        x.stride(1), w.stride(0), w.stride(1), BK_=K.BK, UPCAST=K._upcast(x),
+                                        DEPTH=K._depth(seg), SDEPTH=K.SEGMENTS.bit_length(), GROUP_M=8,
+                                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)
+        outs.append(K.tree_merge(roots, dtype))
     assert all(torch.equal(o, outs[0]) for o in outs)
     assert torch.equal(outs[0], K.tbik_matmul(x, w, 16))
 

@@ -52,7 +52,7 @@ def test_compiled_gather_scatter_every_config_bitwise_bf16():
     assert torch.equal(T.gather_tokens(x, idx), want_g)
     assert torch.equal(T.scatter_tokens(y[:, :, :2500].contiguous(), idx, 8192), want_s)
     yc = y[:, :, :2500].contiguous()
-    for cfg in T._gather_kernel.configs:
+    for cfg in T.CONFIGS:
         kw = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "BD": 128}
         grid = (8, triton.cdiv(2500, cfg.kwargs["BN"]))
         out = torch.empty_like(want_g)
