@@ -1,9 +1,14 @@
-"""Model lifecycle on MLflow's model registry: every finished run registers a version, and the alias `champion`
-moves only to a version at least as good as the current champion on the same evaluation data.
+"""Model lifecycle on MLflow's model registry: every finished run registers a version, and the alias
+`champion-<profile>` moves only to a version of that profile at least as good as its current champion on the same
+evaluation data.
 
-Registered model `paperline-<id>`, one version per finished pipeline run; its source is the run's `outputs/` (the
-trained weights and records; for a paper with nothing to learn, its result files). Each version carries the run's
-lineage (profile, data hash, code commit) and the claim verdict as tags. Promotion rule (`decide`):
+Registered model `paperline-<id>`, one version per finished pipeline run; its source is an MLflow pyfunc model
+logged into the run's `model/` artifact (flows/serving.py: the run's `outputs/`, i.e. the trained networks, records
+and result files, restored on load), so `mlflow.pyfunc.load_model("models:/paperline-<id>@champion-smoke")` works.
+Each version carries the run's lineage (profile, data hash, code commit) and the claim verdict as tags.
+
+A champion per profile: aliases `champion-<profile>` and `challenger-<profile>` (test, smoke, full), so a
+test-profile run (plumbing only) never takes a real profile's champion. Promotion rule (`decide`), within a profile:
 - no champion yet -> champion;
 - the champion was evaluated on other data (another data hash or profile) -> challenger: the primary metrics are
   not comparable, a person decides (`paperline promote <id> <version>`);
@@ -22,17 +27,23 @@ from models import registry
 from tasks import tracking
 
 CHAMPION, CHALLENGER = "champion", "challenger"
+DEFAULT_PROFILE = "smoke"
 LINEAGE_TAGS = ("paperline.profile", "paperline.data_hash", "paperline.world_size", "mlflow.source.git.commit",
-                "paperline.code_ref", "claim.holds")
+                "paperline.code_ref", "claim.verdict", "claim.replicates")
 
 
 def model_name(paper_id: str) -> str:
     return f"paperline-{paper_id}"
 
 
+def alias(kind: str, profile: str) -> str:
+    """`champion-smoke`, `challenger-test`: one champion per profile."""
+    return f"{kind}-{profile}"
+
+
 @dataclass(frozen=True)
 class Decision:
-    alias: str
+    alias: str  # champion / challenger from `decide`; `champion-<profile>` once applied to a version
     reason: str
 
 
@@ -53,11 +64,11 @@ def decide(primary: tuple[str, str], new: dict, champion: dict | None) -> Decisi
     return Decision(CHALLENGER, f"{metric} {a:.6g} vs champion v{champion['version']} {b:.6g} ({direction}): worse")
 
 
-def champion(paper_id: str) -> dict | None:
-    """The current champion version as {"version", "run_id", "value", "data_hash", "profile"}, or None."""
+def champion(paper_id: str, profile: str = DEFAULT_PROFILE) -> dict | None:
+    """The profile's current champion version as {"version", "run_id", "value", "data_hash", "profile"}, or None."""
     client = tracking.client()
     try:
-        version = client.get_model_version_by_alias(model_name(paper_id), CHAMPION)
+        version = client.get_model_version_by_alias(model_name(paper_id), alias(CHAMPION, profile))
     except MlflowException:
         return None
     return _describe(paper_id, version)
@@ -72,7 +83,10 @@ def _describe(paper_id: str, version) -> dict:
 
 
 def register_and_promote(paper_id: str, run_id: str) -> tuple[str, Decision]:
-    """Register the finished run as a new version, then set `champion` or `challenger` on it by the rule above."""
+    """Log the finished run's model (pyfunc), register it as a new version, then set `champion-<profile>` or
+    `challenger-<profile>` on it by the rule above, against that profile's champion only."""
+    from flows import serving
+
     client = tracking.client()
     name = model_name(paper_id)
     try:
@@ -82,28 +96,31 @@ def register_and_promote(paper_id: str, run_id: str) -> tuple[str, Decision]:
                                        description=registry.get(paper_id).title)
     run = client.get_run(run_id)
     tags = {k: run.data.tags[k] for k in LINEAGE_TAGS if k in run.data.tags}
-    version = client.create_model_version(name, source=f"{run.info.artifact_uri}/outputs", run_id=run_id, tags=tags)
-    current = champion(paper_id)
+    profile = run.data.tags.get("paperline.profile") or DEFAULT_PROFILE
+    source = serving.log_run_model(paper_id, run_id)
+    version = client.create_model_version(name, source=source, run_id=run_id, tags=tags)
+    current = champion(paper_id, profile)
     decision = decide(registry.get(paper_id).primary, _describe(paper_id, version), current)
-    _apply(paper_id, version.version, decision, by="pipeline")
-    return str(version.version), decision
+    return str(version.version), _apply(paper_id, version.version, decision, "pipeline", profile)
 
 
 def promote(paper_id: str, version: str, reason: str = "") -> Decision:
-    """Make `version` the champion by hand (`paperline promote`); recorded as such on the version."""
+    """Make `version` the champion of its profile by hand (`paperline promote`); recorded as such on the version."""
     client = tracking.client()
     try:
-        client.get_model_version(model_name(paper_id), version)
+        found = client.get_model_version(model_name(paper_id), version)
     except MlflowException as e:
         raise registry.ConfigError(f"no version {version!r} of {model_name(paper_id)}: {e.message}") from None
+    profile = found.tags.get("paperline.profile") or DEFAULT_PROFILE
     decision = Decision(CHAMPION, f"promoted by hand{': ' + reason if reason else ''}")
-    _apply(paper_id, version, decision, by="hand")
-    return decision
+    return _apply(paper_id, version, decision, "hand", profile)
 
 
-def _apply(paper_id: str, version: str, decision: Decision, by: str) -> None:
+def _apply(paper_id: str, version: str, decision: Decision, by: str, profile: str) -> Decision:
     client, name = tracking.client(), model_name(paper_id)
-    client.set_registered_model_alias(name, decision.alias, version)
-    client.set_model_version_tag(name, version, "promotion.reason", decision.reason)
+    applied = Decision(alias(decision.alias, profile), decision.reason)
+    client.set_registered_model_alias(name, applied.alias, version)
+    client.set_model_version_tag(name, version, "promotion.reason", applied.reason)
     client.set_model_version_tag(name, version, "promotion.by", by)
-    client.set_model_version_tag(name, version, "promotion.alias", decision.alias)
+    client.set_model_version_tag(name, version, "promotion.alias", applied.alias)
+    return applied

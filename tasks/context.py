@@ -150,6 +150,7 @@ class TrainContext:
         start = self._resume(ckpt_dir, engine, state, window)
         if start >= num_steps:
             self.progress(f"phase {name}: complete in checkpoint ({num_steps} steps), not retrained")
+            self._save_network(name, engine)
             return
         if start:
             self.progress(f"phase {name}: resumed at step {start}/{num_steps}")
@@ -175,6 +176,23 @@ class TrainContext:
                 self.progress(f"phase {name}: step {step + 1}/{num_steps} loss {last:.4f} ({rate:.1f} it/s)")
             if (step + 1) % every == 0 or step + 1 == num_steps:
                 self._checkpoint(ckpt_dir, engine, step + 1, state, window)
+        self._save_network(name, engine)
+
+    def _save_network(self, name: str, engine: Any) -> None:
+        """The phase's trained network as a whole module, `<out_dir>/network.<phase>.pt` (rank 0; logged with the
+        run's outputs): what the registered MLflow model restores (flows/serving.py). The module is pickled by reference to its class in the
+        paper's module, without the hooks DeepSpeed put on it; a module that cannot be pickled is saved as its
+        state dict (with its class name), so the weights are still there."""
+        import contextlib
+
+        gather = contextlib.nullcontext()
+        if getattr(engine, "zero_optimization_stage", lambda: 0)() == 3:  # partitioned: every rank gathers
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+        with gather:
+            if self.rank == 0:
+                save_module(engine.module, self.out_dir / f"network.{name}.pt")
 
     def _shard(self, batch: Batch) -> dict[str, torch.Tensor]:
         # contiguous: a strided slice would make every .view() in a step function fail with 2+ ranks
@@ -235,6 +253,44 @@ class TrainContext:
     def progress(self, message: str) -> None:
         if self.rank == 0:
             print(f"[{self.label or 'train'}] {message}", file=sys.stderr, flush=True)
+
+
+_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+          "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+          "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+def save_module(module: torch.nn.Module, path: Path) -> None:
+    """Save a module whole (torch.save of the module, on CPU, hooks left out), atomically; fall back to its state
+    dict when it does not pickle (a lambda or an open handle among its attributes)."""
+    import copy
+    import pickle
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    saved = {}
+    for sub in module.modules():  # DeepSpeed's hooks close over the engine: never part of the network
+        saved[sub] = {h: getattr(sub, h) for h in _HOOKS if h in sub.__dict__}
+        for h in saved[sub]:
+            setattr(sub, h, type(saved[sub][h])())
+    try:
+        try:
+            clean = copy.deepcopy(module).cpu()
+            for p in clean.parameters():  # attributes DeepSpeed attached to parameters (ids, flags) stay behind
+                p.__dict__.clear()
+            torch.save({"module": clean, "class": _qualname(module)}, tmp)
+        except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as e:
+            state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+            torch.save({"state_dict": state, "class": _qualname(module), "why": f"{type(e).__name__}: {e}"}, tmp)
+    finally:
+        for sub, hooks in saved.items():
+            for h, value in hooks.items():
+                setattr(sub, h, value)
+    os.replace(tmp, path)
+
+
+def _qualname(module: torch.nn.Module) -> str:
+    return f"{type(module).__module__}.{type(module).__qualname__}"
 
 
 def _maybe_inject_fault(out_dir: Path, rank: int, phase: str, step: int) -> None:

@@ -45,18 +45,19 @@ def test_versions_and_aliases_in_the_mlflow_registry(workspace):
     name = lifecycle.model_name("sei")
     v1, d1 = lifecycle.register_and_promote("sei", _finished_run("sei", 0.90, True))
     v2, d2 = lifecycle.register_and_promote("sei", _finished_run("sei", 0.85, True))
-    assert (d1.alias, d2.alias) == ("champion", "challenger")
+    assert (d1.alias, d2.alias) == ("champion-smoke", "challenger-smoke")
     client = tracking.client()
-    assert str(client.get_model_version_by_alias(name, "champion").version) == v1
+    assert str(client.get_model_version_by_alias(name, "champion-smoke").version) == v1
     assert "worse" in client.get_model_version(name, v2).tags["promotion.reason"]
     v3, d3 = lifecycle.register_and_promote("sei", _finished_run("sei", 0.95, False))
-    assert d3.alias == "champion" and str(client.get_model_version_by_alias(name, "champion").version) == v3
+    assert d3.alias == "champion-smoke"
+    assert str(client.get_model_version_by_alias(name, "champion-smoke").version) == v3
     version = client.get_model_version(name, v3)
     assert version.tags["paperline.data_hash"] == "h" and version.tags["claim.holds"] == "false"
-    assert version.source.endswith("/outputs")
+    assert version.source.endswith("/model")  # an MLflow pyfunc model holding the run's outputs
 
     lifecycle.promote("sei", v2, "rollback")  # by hand, recorded as such
-    assert str(client.get_model_version_by_alias(name, "champion").version) == v2
+    assert str(client.get_model_version_by_alias(name, "champion-smoke").version) == v2
     assert client.get_model_version(name, v2).tags["promotion.by"] == "hand"
     with pytest.raises(registry.ConfigError, match="no version"):
         lifecycle.promote("sei", "99")

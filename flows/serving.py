@@ -1,0 +1,142 @@
+"""Each run's trained model as an MLflow model: a pyfunc whose context restores the paper's trained networks.
+
+`log_run_model(paper_id, run_id)` packs the run's `outputs/` (what train saved, including every training phase's
+network, `network.<phase>.pt`, written by `TrainContext.fit`) into an MLflow pyfunc model under the run's `model/`
+artifact, with explicit pip requirements (no requirement inference at log time: seconds). The model registry's
+versions point at it, so
+
+    model = mlflow.pyfunc.load_model("models:/paperline-sei@champion-smoke")
+    model.unwrap_python_model().networks      # {"detect": LockStep(...), "downstream": LockStep(...)}
+    model.predict(table)                      # where the paper's method is a predictor
+
+Loading needs the paperline package importable (the networks are pickled by reference to their classes in
+`models/<id>.py`). `predict` runs the paper's trained method on a table in the format of the paper's data where the
+method is a predictor (PREDICTORS below); elsewhere it raises "no predict for this paper".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import tempfile
+import warnings
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+
+import mlflow.pyfunc
+import numpy as np
+import pandas as pd
+import torch
+
+from tasks import tracking
+
+MODEL_ARTIFACT = "model"  # the pyfunc model's folder among the run's artifacts
+NETWORK_PREFIX = "network."  # outputs/network.<phase>.pt: one per ctx.fit phase
+
+
+def load_networks(outputs: Path) -> dict[str, torch.nn.Module | dict]:
+    """The trained networks a run saved, by training phase: the module itself, or (a module that could not be
+    pickled) its state dict."""
+    networks = {}
+    for path in sorted(outputs.glob(f"{NETWORK_PREFIX}*.pt")):
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        phase = path.name.removeprefix(NETWORK_PREFIX).removesuffix(".pt")
+        networks[phase] = saved["module"].eval() if "module" in saved else saved["state_dict"]
+    return networks
+
+
+warnings.filterwarnings("ignore", message=r".*type hints to the `predict` method", category=UserWarning)
+
+
+class PaperModel(mlflow.pyfunc.PythonModel):
+    """A paper's trained model. After `load_context`: `networks` (phase -> module), `outputs` (the run's train
+    outputs folder: records and result files), `paper_id`."""
+
+    def __init__(self, paper_id: str):
+        self.paper_id = paper_id
+        self.networks: dict[str, torch.nn.Module | dict] = {}
+        self.outputs: Path | None = None
+
+    def load_context(self, context) -> None:
+        self.outputs = Path(context.artifacts["outputs"])
+        self.networks = load_networks(self.outputs)
+
+    @property
+    def modules(self) -> dict[str, torch.nn.Module]:
+        return {k: v for k, v in self.networks.items() if isinstance(v, torch.nn.Module)}
+
+    def predict(self, context, model_input, params=None):  # untyped: MLflow would try a signature from hints
+        fn = PREDICTORS.get(self.paper_id)
+        if fn is None:
+            raise NotImplementedError(
+                f"no predict for this paper ({self.paper_id}): its method is not a predictor over a table; its "
+                f"trained networks are in .unwrap_python_model().networks ({', '.join(self.networks) or 'none'})")
+        with torch.no_grad():
+            return fn(self, pd.DataFrame(model_input), params or {})
+
+
+def pip_requirements() -> list[str]:
+    """Pinned from this environment: what loading the model imports (torch CPU build as installed)."""
+    names = ("torch", "mlflow", "cloudpickle", "numpy", "pandas", "pyarrow", "pydantic", "scikit-learn")
+    reqs = []
+    for name in names:
+        try:
+            version = metadata.version(name).split("+")[0]
+        except metadata.PackageNotFoundError:
+            continue
+        reqs.append(f"{name}=={version}")
+    return reqs
+
+
+def log_run_model(paper_id: str, run_id: str) -> str:
+    """Pack the run's `outputs/` as a pyfunc model into the run's `model/` artifact; returns its artifact URI
+    (the source of the registered model version)."""
+    client = tracking.client()
+    with tempfile.TemporaryDirectory(prefix="paperline-model-") as tmp:
+        outputs = Path(tmp) / "outputs"
+        outputs.mkdir()
+        if any(a.path == "outputs" for a in client.list_artifacts(run_id)):
+            client.download_artifacts(run_id, "outputs", tmp)
+        # MLflow warns that a Python object is cloudpickled: here it is a reference to this module's class
+        with _quiet("mlflow.pyfunc"):
+            mlflow.pyfunc.save_model(Path(tmp) / MODEL_ARTIFACT, python_model=PaperModel(paper_id),
+                                     artifacts={"outputs": str(outputs)}, pip_requirements=pip_requirements(),
+                                     metadata={"paperline.paper": paper_id, "paperline.run_id": run_id})
+        shutil.rmtree(outputs)  # copied into the model folder by save_model
+        client.log_artifacts(run_id, str(Path(tmp) / MODEL_ARTIFACT), MODEL_ARTIFACT)
+    return f"{client.get_run(run_id).info.artifact_uri}/{MODEL_ARTIFACT}"
+
+
+@contextlib.contextmanager
+def _quiet(logger: str):
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+# ---- predictors: the paper's trained method on a table in the format of its data ----------------------------------
+def _pixels(table: pd.DataFrame, side: int) -> torch.Tensor:
+    """`pixels` column (each row side*side values, flat or nested) -> (B, 1, side, side) float32."""
+    rows = [np.asarray(v, dtype=np.float32).reshape(side, side) for v in table["pixels"]]
+    return torch.from_numpy(np.stack(rows))[:, None]
+
+
+def _sei(model: PaperModel, table: pd.DataFrame, params: dict) -> pd.DataFrame:
+    """SEI's downstream classifier: the plain CNN retrained without the samples SEI flagged (first noise
+    setting, or `params["setting"]` = index), on `samples.parquet` rows (`pixels`, 8x8). Returns the predicted
+    label and the class probabilities."""
+    nets = model.modules["downstream"].nets
+    net = nets[f"s{int(params.get('setting', 0))}_sei"]
+    side = int(round(np.sqrt(np.asarray(table["pixels"].iloc[0]).size)))
+    probs = net(_pixels(table, side)).softmax(-1)  # (B, C)
+    return pd.DataFrame({"label": probs.argmax(-1).numpy(), **{f"p{c}": probs[:, c].numpy()
+                                                               for c in range(probs.shape[1])}})
+
+
+PREDICTORS: dict[str, Callable[[PaperModel, pd.DataFrame, dict], pd.DataFrame]] = {"sei": _sei}
