@@ -164,7 +164,7 @@ class TrainContext:
             loss, metrics = step_fn(engine, local, step)
             engine.backward(loss)
             engine.step()
-            _maybe_inject_fault(self.out_dir, self.rank, name, step + 1)
+            _maybe_inject_fault(self.out_dir, self.rank, name, step + 1, self.params.seed)
             window.append(float(loss.detach()))
             if (step + 1) % log_every == 0 or step + 1 == num_steps:
                 logged = {"loss": sum(window) / len(window), **{k: float(v) for k, v in metrics.items()}}
@@ -293,11 +293,12 @@ def _qualname(module: torch.nn.Module) -> str:
     return f"{type(module).__module__}.{type(module).__qualname__}"
 
 
-def _maybe_inject_fault(out_dir: Path, rank: int, phase: str, step: int) -> None:
-    """Fault injection for the reliability tests: PAPERLINE_FAULT="kill:<rank>:<phase>:<step>" SIGKILLs that rank
-    once after that step (a marker in the run folder keeps the retry from dying again)."""
+def _maybe_inject_fault(out_dir: Path, rank: int, phase: str, step: int, seed: int) -> None:
+    """Fault injection for the reliability tests: PAPERLINE_FAULT="kill:<rank>:<phase>:<step>[:seed=<s>]" SIGKILLs
+    that rank once after that step (of the replicate with that seed only, when given; a marker in the run folder
+    keeps the retry from dying again)."""
     fault = os.environ.get("PAPERLINE_FAULT", "")
-    if fault != f"kill:{rank}:{phase}:{step}":
+    if fault not in (f"kill:{rank}:{phase}:{step}", f"kill:{rank}:{phase}:{step}:seed={seed}"):
         return
     marker = out_dir / f"fault-fired-{rank}-{phase}-{step}"
     if not marker.exists():
