@@ -229,9 +229,13 @@ def serve(
 @app.command()
 def server(port: Annotated[int, typer.Option()] = 4200) -> None:
     """Start a local Prefect server on 127.0.0.1 (embedded SQLite in PREFECT_HOME) for `serve` and the UI."""
-    typer.echo(f"Prefect server on http://127.0.0.1:{port}; then: export PREFECT_API_URL=http://127.0.0.1:{port}/api")
+    api = f"http://127.0.0.1:{port}/api"
+    typer.echo(f"Prefect server on http://127.0.0.1:{port}; then: export PREFECT_API_URL={api}")
+    # the UI asks /ui-settings where the API is: this port, not the default 4200 (nor a PREFECT_API_URL elsewhere)
+    env = {**os.environ, "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port),
+           "PREFECT_UI_API_URL": api}
     subprocess.run([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port),
-                    "--analytics-off"], check=False)
+                    "--analytics-off"], env=env, check=False)
 
 
 def main() -> None:  # pragma: no cover - console entry

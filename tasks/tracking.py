@@ -64,13 +64,21 @@ def check_reachable() -> None:
                                 "Start the server or unset MLFLOW_TRACKING_URI to use the embedded store.")) from None
 
 
+# MLflow's UI opens an experiment by its kind: without this tag, 3.x shows the GenAI view (traces, token usage);
+# with it, runs, metric charts and plots
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
+
 def experiment_id(paper_id: str) -> str:
     c, name = client(), f"paperline/{paper_id}"
     found = c.get_experiment_by_name(name)
     if found:
+        if found.tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:  # created before the tag: set it on opening
+            c.set_experiment_tag(found.experiment_id, *EXPERIMENT_KIND)
         return found.experiment_id
     location = (settings.artifact_root() / paper_id).as_uri()
-    return c.create_experiment(name, artifact_location=location, tags={"paperline.paper": paper_id})
+    return c.create_experiment(name, artifact_location=location,
+                               tags={"paperline.paper": paper_id, EXPERIMENT_KIND[0]: EXPERIMENT_KIND[1]})
 
 
 def code_hash(paper_module_file: Path) -> str:
