@@ -221,9 +221,11 @@ def _fold(s0, s1, s2, s3, s4, s5, n, DEPTH: tl.constexpr):
 # only choose which outputs a program owns, num_warps / num_stages how it is scheduled; every config computes the
 # same trees (`test_every_tile_config_gives_the_same_bits`, compiled, checks that the leaf dot does not change with
 # them either).
+# Up to 10 (BM, BN) fp32 slots stay live, so the tiles are small for their warps (64 x 64 on 8 warps: 16 registers a
+# slot a thread); BM stays a multiple of 64, so every config issues the same Hopper wgmma instructions.
 MATMUL_CONFIGS = [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=st)
-                  for bm, bn, w, st in [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3),
-                                        (64, 64, 8, 4), (64, 128, 8, 4), (128, 128, 8, 2), (128, 64, 8, 4)]]
+                  for bm, bn, w, st in [(64, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (64, 128, 8, 3),
+                                        (128, 64, 8, 3), (64, 64, 8, 4), (128, 128, 8, 2), (64, 32, 4, 4)]]
 _ONE_CONFIG = (triton.Config({"BM": 16, "BN": 32}, num_warps=4, num_stages=1) if INTERPRET else MATMUL_CONFIGS[0])
 
 
@@ -374,9 +376,11 @@ def tbik_matmul_distributed(x_local: torch.Tensor, w_local: torch.Tensor, group=
     p = dist.get_world_size(group)
     _check(x_local.shape[1] * p, p)
     root = tbik_shard_root(x_local, w_local, SEGMENTS // p)
+    if root.is_cuda and dist.get_backend(group) == "gloo":
+        root = root.cpu()  # gloo gathers host memory; fp32 additions give the same bits on either side
     roots = [torch.empty_like(root) for _ in range(p)]
     dist.all_gather(roots, root, group=group)
-    return tree_merge(roots, x_local.dtype)
+    return tree_merge(roots, x_local.dtype).to(x_local.device)
 
 
 def tbik_sum(x: torch.Tensor, tp_size: int, br: int = 16) -> torch.Tensor:
