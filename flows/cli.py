@@ -165,6 +165,52 @@ def data(
 
 
 @app.command()
+def plan(
+    papers: Annotated[list[str] | None, typer.Argument(help="Paper ids.")] = None,
+    all_papers: Annotated[bool, typer.Option("--all", help="Every paper; writes reports/plan.md.")] = False,
+    profile: Annotated[str, typer.Option(help="test | smoke | full")] = "full",
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a parameter: key=value.")] = None,
+    gpu: Annotated[str, typer.Option(help="h100-80gb | h200-141gb | a100-80gb")] = "h100-80gb",
+    mfu: Annotated[float, typer.Option(help="Model-FLOP utilisation the GPU-hours assume.")] = 0.35,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON for tools instead of tables.")] = False,
+    gpus: Annotated[bool, typer.Option("--gpus", help="Print only the GPUs the job needs (full-gpu deployment).")]
+    = False,
+) -> None:
+    """Memory per rank, FLOPs and GPU-hours of a profile, from one traced step of each training phase (nothing is
+    allocated or trained). Exit 1 naming the phase and the number when a rank would not fit."""
+    from flows import plan as planning
+
+    try:
+        overrides = registry.parse_overrides(set_)
+        if all_papers:
+            if overrides:
+                raise registry.ConfigError("--set applies to one paper at a time")
+            plans = planning.plan_all(profile, gpu, mfu)
+            out = planning.write_report(plans) if profile == "full" else None
+            typer.echo(planning.to_json(plans) if as_json else planning.table(plans))
+            if out and not as_json:
+                typer.echo(f"written to {out}")
+        else:
+            if not papers:
+                _fail("name paper ids or pass --all")
+            if overrides and len(papers) > 1:
+                raise registry.ConfigError("--set applies to one paper at a time")
+            plans = [planning.plan_paper(pid, profile, overrides, gpu=gpu, mfu=mfu).to_dict() for pid in papers]
+            if gpus:
+                typer.echo(" ".join(str(p["ranks"]) for p in plans))
+            else:
+                typer.echo(planning.to_json(plans if len(plans) > 1 else plans[0]) if as_json
+                           else "\n\n".join(planning.phase_table(p) for p in plans))
+    except registry.ConfigError as e:
+        _fail(str(e))
+    failed = [p for p in plans if "error" in p or not p["fits"]]
+    for p in failed:
+        typer.secho(f"{p['paper']}: " + (p.get("error") or "; ".join(p["problems"])), err=True, fg="red")
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.command()
 def promote(
     paper: Annotated[str, typer.Argument(help="Paper id.")],
     version: Annotated[str, typer.Argument(help="Model version to make champion.")],

@@ -1,0 +1,140 @@
+"""`paperline plan`: what a profile will cost before a GPU is spent, and whether each rank fits.
+
+`plan_paper` plans one paper (tasks/planning.py says how: the paper's own `train(ctx)` traced on fake tensors, one
+step per `fit` phase); `plan_all` plans every paper, two at a time, each in its own process, and `write_report`
+writes `reports/plan.md`. `plan_metrics(paper_id, params)` gives the `plan/*` numbers a full run logs, so a
+finished run can be held against its estimate. `gpus(plan)` is what the `full-gpu` deployment asks Kubernetes for.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from collections.abc import Mapping
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from models import registry
+from tasks import settings
+
+MAX_WORKERS = 2
+
+
+def _cache() -> Path:
+    return settings.root() / ".cache" / "plan-data"
+
+
+def plan_paper(paper_id: str, profile: str = "full", overrides: Mapping[str, Any] | None = None, *,
+               gpu: str | None = None, mfu: float | None = None, params_file: Path | None = None):
+    """Plan one paper's profile (overrides as `--set` gives them). Raises ConfigError on bad input."""
+    from tasks import planning
+
+    params_file = params_file or settings.params_file()
+    raw = registry.raw_params(paper_id, profile, overrides, params_file)
+    registry.resolve(paper_id, profile, overrides, params_file)  # bad keys and values named before any work
+    test = registry.raw_params(paper_id, "test", None, params_file)
+    if gpu is not None and gpu not in planning.GPUS:
+        raise registry.ConfigError(f"unknown --gpu {gpu!r}; known: {', '.join(planning.GPUS)}")
+    return planning.plan(paper_id, raw, test, profile=profile, gpu=gpu or planning.DEFAULT_GPU,
+                         mfu=mfu or planning.DEFAULT_MFU, cache=_cache())
+
+
+def plan_metrics(paper_id: str, params) -> dict[str, float]:
+    """The `plan/*` numbers of a run's validated params (a `PaperParams`, or the dict of one), for MLflow."""
+    from tasks import planning
+
+    raw = params.model_dump(mode="json") if hasattr(params, "model_dump") else dict(params)
+    test = registry.raw_params(paper_id, "test", None, settings.params_file())
+    return planning.plan(paper_id, raw, test, cache=_cache()).metrics()
+
+
+def gpus(plan) -> int:
+    """GPUs the job asks for: one per rank (DeepSpeed runs one rank per GPU)."""
+    return plan.ranks
+
+
+def _plan_one(args: tuple) -> dict[str, Any]:
+    paper_id, profile, gpu, mfu = args
+    try:
+        return plan_paper(paper_id, profile, gpu=gpu, mfu=mfu).to_dict()
+    except Exception as e:  # noqa: BLE001 - one paper's failure is a row of the table, not the end of the table
+        return {"paper": paper_id, "error": f"{type(e).__name__}: {e}"}
+
+
+def plan_all(profile: str = "full", gpu: str | None = None, mfu: float | None = None,
+             ids: list[str] | None = None, workers: int = MAX_WORKERS) -> list[dict[str, Any]]:
+    """Every paper's plan as dicts (`Plan.to_dict`), in id order; a paper that failed to plan has `error`."""
+    ids = ids or registry.paper_ids()
+    jobs = [(pid, profile, gpu, mfu) for pid in ids]
+    if workers <= 1:
+        return [_plan_one(j) for j in jobs]
+    # fork: the workers inherit the imports; each plans several papers, and planning patches nothing it keeps
+    ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        return list(pool.map(_plan_one, jobs))
+
+
+# ---- rendering ----------------------------------------------------------------------------------------------------
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f}"
+
+
+def _hours(h: float) -> str:
+    return f"{h:.1f}" if h >= 0.1 else f"{h:.2f}"
+
+
+def table(plans: list[dict[str, Any]]) -> str:
+    """Markdown: one row per paper (GPUs, GPU-hours, peak memory per rank, data, fits)."""
+    rows = ["| paper | GPUs | GPU-hours | peak GiB/rank | data GiB (host) | phases | ZeRO | fits |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for p in plans:
+        if "error" in p:
+            rows.append(f"| {p['paper']} | | | | | | | ERROR {p['error'][:80]} |")
+            continue
+        verdict = "yes" if p["fits"] else "NO: " + "; ".join(p["problems"])[:120]
+        rows.append(f"| {p['paper']} | {p['ranks']} | {_hours(p['gpu_hours'])} | {_gib(p['peak_rank_bytes'])} | "
+                    f"{_gib(p['data_bytes'])} | {len(p['phases'])} | {p['zero_stage']} | {verdict} |")
+    return "\n".join(rows)
+
+
+def phase_table(p: dict[str, Any]) -> str:
+    """One paper's phases: what each rank holds and what the phase costs."""
+    from tasks.planning import GIB
+
+    lines = [f"plan {p['paper']} ({p['profile']}): {p['ranks']} x {p['gpu']}, ZeRO {p['zero_stage']}, "
+             f"{'bf16' if p['bf16'] else 'fp32'}, MFU {p['mfu']:.2f}",
+             f"{'phase':22s} {'params':>12s} {'steps':>8s} {'weights':>8s} {'grads':>8s} {'optim':>8s} "
+             f"{'activ':>8s} {'rank GiB':>9s} {'TFLOP/step':>11s} {'PFLOP total':>12s}"]
+    for ph in p["phases"]:
+        lines.append(f"{ph['name'][:22]:22s} {ph['params']:12,d} {ph['steps']:8d} {ph['weights_bytes'] / GIB:8.2f} "
+                     f"{ph['grads_bytes'] / GIB:8.2f} {ph['optimizer_bytes'] / GIB:8.2f} "
+                     f"{ph['activation_bytes'] / GIB:8.2f} {ph['rank_bytes'] / GIB:9.2f} "
+                     f"{ph['flops_step'] / 1e12:11.4f} {ph['flops_total'] * p['ranks'] / 1e15:12.3f}")
+    lines.append(f"peak per rank {_gib(p['peak_rank_bytes'])} GiB; {p['flops_total'] / 1e15:.2f} PFLOP; "
+                 f"{_hours(p['gpu_hours'])} GPU-hours ({p['ranks']} GPUs: {p['gpu_hours'] / p['ranks']:.2f} h wall)")
+    lines.append(f"host memory for the data: {_gib(p['data_bytes'])} GiB ({p['data_note']})")
+    if p["stopped"]:
+        lines.append(f"trace ended early: {p['stopped']}")
+    lines += [f"DOES NOT FIT: {problem}" for problem in p["problems"]] or ["fits"]
+    return "\n".join(lines)
+
+
+def write_report(plans: list[dict[str, Any]], path: Path | None = None) -> Path:
+    from tasks import planning
+
+    path = path or settings.root() / "reports" / "plan.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    gpu = next((p["gpu"] for p in plans if "gpu" in p), planning.DEFAULT_GPU)
+    mfu = next((p["mfu"] for p in plans if "mfu" in p), planning.DEFAULT_MFU)
+    head = (f"# Plan of the full profiles\n\nGenerated by `paperline plan --all` (one traced step per training "
+            f"phase on fake tensors; nothing trained). GPU {gpu} ({planning.HEADROOM:.0%} of its memory usable per "
+            f"rank), GPU-hours at MFU {mfu:.2f}, host RAM {planning.HOST_RAM // planning.GIB} GiB per node of "
+            f"{planning.GPUS_PER_NODE} GPUs. `paperline plan <id>` shows a paper's phases.\n\n")
+    path.write_text(head + table(plans) + "\n")
+    return path
+
+
+def to_json(plans: list[dict[str, Any]] | dict[str, Any]) -> str:
+    return json.dumps(plans, indent=1, default=float)

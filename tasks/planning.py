@@ -1,0 +1,497 @@
+"""Plan a profile before a GPU is spent: the paper's own `train(ctx)` under a planning context, nothing allocated.
+
+`plan(paper_id, params)` runs `Paper.train` inside `torch._subclasses.FakeTensorMode`: every tensor the paper makes
+is a fake (shape, dtype, no storage), so a 10^9-parameter model costs nothing. `PlanContext` stands in for
+`tasks.context.TrainContext`: `engine(model)` only records the model, and `fit(...)` traces ONE training step of
+the phase (forward + backward of the rank's slice of the global batch) under `FlopCounterMode` and torch's
+`MemTracker`, records it with the phase's step count, and returns without training. The paper then goes on to its
+next phase. Python-level reads of a fake value (`float(loss)`, `.item()`) get a placeholder, so the control flow
+between phases runs; the first thing that cannot run on fakes (`.numpy()` of a result, a data-dependent loop that
+outlasts the time budget) ends the plan there, with the phases traced so far and the reason in `Plan.stopped`.
+
+Data: planning never needs the profile's real data. The paper's `prepare` writes a planning copy with the profile's
+parameters except the data *amount and source* (`n_*` counts, dataset paths, encoders: the keys `data_overrides`
+names), which come from the paper's `test` profile; a batch drawn from it has the profile's row shape and batch
+size. The host memory of the full data is that copy's in-memory size scaled by the overridden counts (full / test,
+multiplied: an upper bound where counts add instead of multiply). Where that fails (a `prepare` that needs the real
+files at any size), the `test` profile's data is used and the plan says so.
+
+Model states per rank follow DeepSpeed's own accounting (mixed precision: 2-byte weights and gradients, 4-byte
+master weights, 8 bytes of Adam moments; `estimate_zero2_model_states_mem_needs` /
+`estimate_zero3_model_states_mem_needs` for stages 2 and 3); fp32 training keeps 4-byte weights and gradients and no
+master copy. The activation peak is traced in fp32 and halved under bf16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import re
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.contract import PaperParams
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory: int  # bytes
+    peak_bf16: float  # dense FLOP/s
+    peak_fp32: float  # TF32 tensor-core FLOP/s (what fp32 matmuls run at)
+
+
+GPUS = {
+    "h100-80gb": Gpu("h100-80gb", 80 * GIB, 989e12, 494e12),
+    "h200-141gb": Gpu("h200-141gb", 141 * GIB, 989e12, 494e12),
+    "a100-80gb": Gpu("a100-80gb", 80 * GIB, 312e12, 156e12),
+}
+DEFAULT_GPU = "h100-80gb"
+DEFAULT_MFU = 0.35  # model-FLOP utilisation the GPU-hours assume (a well-tuned dense run reaches 0.35-0.5)
+HOST_RAM = 1024 * GIB  # per node
+GPUS_PER_NODE = 8
+HEADROOM = 0.9  # a rank must fit in this share of the GPU (CUDA context, allocator fragmentation, NCCL buffers)
+BUDGET_S = 20.0  # per paper: planning traces, it never trains
+
+
+class PlanStop(Exception):
+    """Raised inside the paper's train() to end the plan (time budget)."""
+
+
+@dataclass
+class Phase:
+    name: str
+    steps: int
+    params: int  # trainable parameters of the engine's model
+    largest_layer: int  # parameters of the largest leaf module (ZeRO-3 gathers one at a time)
+    buffers: int  # bytes (fp32 as traced)
+    batch: dict[str, list[int]]  # the rank's slice of the global batch: name -> shape
+    flops_step: float  # per rank, forward + backward (FlopCounterMode; elementwise ops are not counted)
+    activation_bytes: int  # peak of one step beyond weights and gradients, at the run's precision
+    weights_bytes: int = 0
+    grads_bytes: int = 0
+    optimizer_bytes: int = 0
+    rank_bytes: int = 0  # weights + grads + optimizer + buffers + activations
+
+    @property
+    def flops_total(self) -> float:
+        return self.flops_step * self.steps  # per rank; x ranks for the job
+
+
+@dataclass
+class Plan:
+    paper: str
+    profile: str
+    gpu: str
+    ranks: int
+    zero_stage: int
+    bf16: bool
+    mfu: float
+    phases: list[Phase] = field(default_factory=list)
+    data_bytes: int = 0  # host memory the data needs (estimate at the profile's size)
+    data_note: str = ""
+    stopped: str = ""  # why the trace ended before train() returned ("" when it returned)
+    seconds: float = 0.0
+
+    @property
+    def peak_rank_bytes(self) -> int:
+        return max((ph.rank_bytes for ph in self.phases), default=0)
+
+    @property
+    def flops_total(self) -> float:
+        return sum(ph.flops_total for ph in self.phases) * self.ranks
+
+    @property
+    def gpu_hours(self) -> float:
+        g = GPUS[self.gpu]
+        peak = g.peak_bf16 if self.bf16 else g.peak_fp32
+        return self.flops_total / (peak * self.mfu) / 3600
+
+    @property
+    def nodes(self) -> int:
+        return max(1, math.ceil(self.ranks / GPUS_PER_NODE))
+
+    def problems(self) -> list[str]:
+        """Each reason the profile would not run, naming the phase and the number; [] when it fits."""
+        limit = GPUS[self.gpu].memory * HEADROOM
+        out = [f"phase {ph.name}: {gib(ph.rank_bytes)} per rank > {gib(limit)} usable on {self.gpu} "
+               f"(weights {gib(ph.weights_bytes)}, grads {gib(ph.grads_bytes)}, optimizer {gib(ph.optimizer_bytes)}, "
+               f"activations {gib(ph.activation_bytes)})" for ph in self.phases if ph.rank_bytes > limit]
+        host = HOST_RAM * self.nodes
+        if self.data_bytes > host * HEADROOM:
+            out.append(f"data: {gib(self.data_bytes)} of host memory > {gib(host * HEADROOM)} usable "
+                       f"({self.nodes} node(s) x {gib(HOST_RAM)})")
+        return out
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for ph, raw in zip(self.phases, d["phases"], strict=True):
+            raw["flops_total"] = ph.flops_total
+        d.update(peak_rank_bytes=self.peak_rank_bytes, flops_total=self.flops_total, gpu_hours=self.gpu_hours,
+                 nodes=self.nodes, fits=self.fits, problems=self.problems())
+        return d
+
+    def metrics(self) -> dict[str, float]:
+        """The `plan/*` numbers a full run logs, to be held against what the run measured."""
+        out = {"plan/ranks": float(self.ranks), "plan/gpu_hours": self.gpu_hours, "plan/flops_total": self.flops_total,
+               "plan/peak_rank_gib": self.peak_rank_bytes / GIB, "plan/data_gib": self.data_bytes / GIB,
+               "plan/mfu": self.mfu, "plan/fits": float(self.fits), "plan/phases": float(len(self.phases))}
+        for ph in self.phases:
+            key = re.sub(r"[^\w\-.]", "_", ph.name)
+            out |= {f"plan/{key}/params": float(ph.params), f"plan/{key}/flops_step": ph.flops_step,
+                    f"plan/{key}/steps": float(ph.steps), f"plan/{key}/rank_gib": ph.rank_bytes / GIB,
+                    f"plan/{key}/activation_gib": ph.activation_bytes / GIB}
+        return out
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= 0.1 * GIB else f"{n / 2**20:.1f} MiB"
+
+
+# ---- model states: DeepSpeed's accounting ------------------------------------------------------------------------
+def model_states(params: int, largest_layer: int, ranks: int, stage: int, bf16: bool) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer state) bytes per rank. Mixed precision (bf16): 2-byte weights and gradients,
+    fp32 master weights (4) + fp32 gradients (4, stages >= 1 keep them for the update) + Adam moments (8); stages 1-3
+    partition the fp32 part over the ranks, stage 2 also the gradients, stage 3 also the weights. Stages 2 and 3
+    under bf16 are DeepSpeed's own estimators (`..._zero2_/_zero3_model_states_mem_needs`, no offload)."""
+    p, g = params, ranks
+    if bf16 and stage in (2, 3):
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        if stage == 2:  # 2P bf16 weights + 18P/G (bf16 + fp32 grads, fp32 master, Adam)
+            _, total = estimate_zero2_model_states_mem_needs(p, num_gpus_per_node=min(g, GPUS_PER_NODE),
+                                                             num_nodes=math.ceil(g / GPUS_PER_NODE), cpu_offload=False)
+            weights, grads = 2 * p, 6 * p // g
+        else:  # the largest layer gathered in fp32 + 18P/G
+            _, total, _ = estimate_zero3_model_states_mem_needs(
+                p, largest_layer, num_gpus_per_node=min(g, GPUS_PER_NODE), num_nodes=math.ceil(g / GPUS_PER_NODE),
+                cpu_offload=False, cpu_offload_params=False)
+            weights, grads = 4 * largest_layer + 2 * p // g, 6 * p // g
+        return weights, grads, max(0, total - weights - grads)
+    w = 2 if bf16 else 4
+    master = 4 if bf16 else 0
+    shard = g if stage >= 1 else 1
+    weights = w * p // (g if stage == 3 else 1) + master * p // shard
+    grads = w * p // (g if stage >= 2 else 1)
+    return weights, grads, 8 * p // shard
+
+
+# ---- the planning context -----------------------------------------------------------------------------------------
+class _Engine:
+    """What a paper sees of a DeepSpeed engine while planning: forward, `.module`, a no-op step."""
+
+    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float):
+        self.module = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.module.zero_grad(set_to_none=True)
+
+    def __getattr__(self, name: str):  # train() / eval() / parameters() ... of the module
+        return getattr(self.__dict__["module"], name)
+
+
+@dataclass
+class PlanContext:
+    params: PaperParams
+    data_dir: Path
+    out_dir: Path
+    world_size: int
+    deadline: float
+    rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    label: str = "plan"
+    phases: list[Phase] = field(default_factory=list)
+
+    def engine(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0) -> _Engine:
+        return _Engine(model, lr, weight_decay)
+
+    def fit(self, name: str, engine: _Engine, step_fn: Callable, batch_fn: Callable[[int], Mapping[str, Any]],
+            num_steps: int, state: dict | None = None, log_every: int = 10) -> None:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        if time.monotonic() > self.deadline:
+            raise PlanStop(f"time budget spent before phase {name}")
+        if num_steps <= 0:
+            return
+        model = engine.module
+        torch.manual_seed(self.params.seed * 1_000_003)
+        local = {k: v[self.rank :: self.world_size].contiguous() for k, v in batch_fn(0).items()}
+        memory = _Allocations()
+        with FlopCounterMode(display=False) as flops, memory:
+            loss, _ = step_fn(engine, local, 0)
+            loss.backward()
+        grads = {p.grad.untyped_storage()._cdata for p in model.parameters() if p.grad is not None}
+        transient = memory.peak(exclude=grads)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        largest = max((sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad)
+                       for m in model.modules()), default=0)
+        self.phases.append(Phase(
+            name=name, steps=int(num_steps), params=sum(p.numel() for p in trainable), largest_layer=largest,
+            buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
+            batch={k: list(v.shape) for k, v in local.items() if isinstance(v, torch.Tensor)},
+            flops_step=float(flops.get_total_flops()),
+            activation_bytes=int(transient * (0.5 if self.params.bf16 else 1.0))))
+        engine.step()
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def barrier(self) -> None:
+        pass
+
+    def progress(self, message: str) -> None:
+        if time.monotonic() > self.deadline:
+            raise PlanStop("time budget spent")
+
+
+class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of the storages an op creates while the step runs, freed when the storage dies (weak references):
+    `peak(exclude)` is the largest total alive at once, leaving out the given storages (the gradients)."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[tuple[int, int]] = []  # (storage id, +bytes / -bytes)
+        self._seen: dict[int, weakref.ref] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key = st._cdata
+                if key not in self._seen:
+                    size = st.nbytes()
+                    self.events.append((key, size))
+                    self._seen[key] = weakref.ref(st, lambda _, k=key, s=size: self._free(k, s))
+        return out
+
+    def _free(self, key: int, size: int) -> None:
+        self.events.append((key, -size))
+        self._seen.pop(key, None)
+
+    def peak(self, exclude: set[int]) -> int:
+        now = best = 0
+        for key, delta in self.events:
+            if key not in exclude:
+                now += delta
+                best = max(best, now)
+        return best
+
+
+class _Placeholders(torch.utils._python_dispatch.TorchDispatchMode):
+    """Above FakeTensorMode: a Python read of a fake value gets a placeholder (0.5, 1, False), and ops whose output
+    size depends on values (`nonzero`, boolean masks) get their upper bound, so the paper's control flow goes on."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if func is aten._local_scalar_dense.default:
+            x = args[0]
+            return False if x.dtype == torch.bool else (1 if not x.dtype.is_floating_point else 0.5)
+        if func is aten.nonzero.default:
+            x = args[0]
+            return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+        if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default) and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or [])):
+            idx = []
+            for i in args[1]:
+                if isinstance(i, torch.Tensor) and i.dtype == torch.bool:
+                    idx.extend(torch.empty((i.numel(),), dtype=torch.long, device=i.device).fill_(0)
+                               for _ in range(i.dim()))
+                else:
+                    idx.append(i)
+            return func(args[0], idx, *args[2:], **kwargs)
+        if func is aten.masked_select.default:
+            return torch.empty((args[0].numel(),), dtype=args[0].dtype, device=args[0].device)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _fake_reads():
+    """`.numpy()` / `.tolist()` of a fake give zeros of its shape (results a paper keeps between phases), up to
+    `_MAX_READ` elements (a larger read would allocate for real, so it ends the plan); `torch.save` saves nothing."""
+    import numpy as np
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def numpy(self, *args, **kwargs):
+        if self.numel() > _MAX_READ:
+            raise PlanStop(f"a paper reads a {list(self.shape)} tensor into NumPy")
+        dtype = {torch.bool: np.bool_, torch.int64: np.int64, torch.int32: np.int32, torch.float64: np.float64,
+                 torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16}.get(self.dtype, np.float32)
+        return np.zeros(tuple(self.shape), dtype=dtype)
+
+    saved = {name: FakeTensor.__dict__.get(name) for name in ("numpy", "tolist")}
+    FakeTensor.numpy = numpy
+    FakeTensor.tolist = lambda self: numpy(self).tolist()
+    save, torch.save = torch.save, lambda *args, **kwargs: None  # results of a plan are not results
+    try:
+        yield
+    finally:
+        torch.save = save
+        for name, value in saved.items():
+            if value is None:
+                delattr(FakeTensor, name)
+            else:
+                setattr(FakeTensor, name, value)
+
+
+_MAX_READ = 50_000_000
+
+
+@contextlib.contextmanager
+def _alarm(deadline: float):
+    """SIGALRM at the deadline (main thread only): a paper loop that never reaches `fit` still ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise PlanStop("time budget spent")
+
+    old = signal.signal(signal.SIGALRM, _raise)
+    signal.setitimer(signal.ITIMER_REAL, max(0.01, deadline - time.monotonic()))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+# ---- planning data ------------------------------------------------------------------------------------------------
+# keys that say how much data there is or where it comes from, not the shape of a row or of the model
+_DATA_KEY = re.compile(r"^(n_\w+|num_\w+|\w*_samples|samples|cells|docs|\w+_videos|n_clips|\w*_pairs|dataset|"
+                       r"\w+_dir|\w+_path|data_root|source|\w*encoder|embedder|body_model|karate|toy_\w+|"
+                       r"\w+_questions|\w+_entities|\w+_graphs|nodes_\w+|review_instances|gate2_instances|examples|"
+                       r"instances|holdout|pool_size|n_seed|n_external|\w+_transitions|episodes|n_drawings|"
+                       r"per_group\w*|images_per_step|test_fraction|lexicon|prompts|\w+_families|tv_contexts|"
+                       r"variants|seeds|n_mc|n_curve|n_obs|per_regime)$")
+
+
+def data_overrides(profile: Mapping[str, Any], test: Mapping[str, Any]) -> dict[str, Any]:
+    """The profile's data-amount/source keys replaced by the test profile's (absent there: the default)."""
+    out = dict(profile)
+    for key in set(profile) | set(test):
+        if _DATA_KEY.fullmatch(key):
+            if key in test:
+                out[key] = test[key]
+            else:
+                out.pop(key, None)
+    return out
+
+
+def _scale(profile: Mapping[str, Any], planned: Mapping[str, Any]) -> float:
+    """How much more data the profile has than its planning copy: the largest ratio of an overridden count (each
+    table grows with one count, the largest one the bound; a table whose rows are a product of counts is larger)."""
+    s = 1.0
+    for key, value in profile.items():
+        small = planned.get(key)
+        if (isinstance(value, int) and not isinstance(value, bool) and isinstance(small, int)
+                and not isinstance(small, bool) and 0 < small < value):
+            s = max(s, value / small)
+    return s
+
+
+def _prepare_cached(paper, params: PaperParams, cache: Path) -> Path:
+    key = hashlib.sha256(json.dumps(params.model_dump(mode="json"), sort_keys=True).encode()
+                         + Path(paper.train.__code__.co_filename).read_bytes()).hexdigest()[:16]
+    out = cache / f"{paper.id}-{key}"
+    if not (out / ".done").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        paper.prepare(params, out)
+        (out / ".done").write_text("")
+    return out
+
+
+def _table_bytes(folder: Path) -> int:
+    import pyarrow.parquet as pq
+
+    total = 0
+    for f in folder.glob("*.parquet"):
+        md = pq.ParquetFile(f).metadata
+        total += sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))  # uncompressed
+    return total
+
+
+def planning_data(paper, raw: Mapping[str, Any], test_raw: Mapping[str, Any], cache: Path) -> tuple[Path, int, str]:
+    """(folder of planning data, host bytes the profile's data needs, note)."""
+    from models.registry import validate
+
+    small = data_overrides(raw, test_raw)
+    try:
+        params = validate(paper, small, where=f"plan data of {paper.id}")
+        folder = _prepare_cached(paper, params, cache)
+        note = "profile's row shapes, test profile's data amount"
+        scaled = _scale(raw, small)
+    except Exception as e:  # noqa: BLE001 - a prepare that needs the real files: the test profile's data
+        params = validate(paper, test_raw, where=f"papers.{paper.id}.test")
+        folder = _prepare_cached(paper, params, cache)
+        note = f"test profile's data ({type(e).__name__} with the profile's row shapes)"
+        scaled = _scale(raw, test_raw)
+    return folder, int(_table_bytes(folder) * scaled), note
+
+
+# ---- planning one paper -------------------------------------------------------------------------------------------
+def plan(paper_id: str, raw: Mapping[str, Any], test_raw: Mapping[str, Any], *, profile: str = "full",
+         gpu: str = DEFAULT_GPU, mfu: float = DEFAULT_MFU, cache: Path, budget_s: float = BUDGET_S) -> Plan:
+    """Plan one paper's profile (`raw`: its validated-to-be params as a dict; `test_raw`: its test profile)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from models import registry
+
+    if gpu not in GPUS:
+        raise ValueError(f"unknown gpu {gpu!r}; known: {', '.join(GPUS)}")
+    paper = registry.get(paper_id)
+    params = registry.validate(paper, raw, where=f"papers.{paper_id}.{profile}")
+    t0 = time.monotonic()
+    data_dir, data_bytes, note = planning_data(paper, raw, test_raw, cache)
+    result = Plan(paper=paper_id, profile=profile, gpu=gpu, ranks=params.ranks, zero_stage=params.zero_stage,
+                  bf16=params.bf16, mfu=mfu, data_bytes=data_bytes, data_note=note)
+    out_dir = cache / "out" / paper_id
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = PlanContext(params=params, data_dir=data_dir, out_dir=out_dir, world_size=params.ranks,
+                      deadline=time.monotonic() + budget_s)
+    threads = torch.get_num_threads()
+    try:
+        with _alarm(ctx.deadline + 1), _fake_reads(), FakeTensorMode(allow_non_fake_inputs=True), \
+                _Placeholders():
+            paper.train(ctx)
+    except PlanStop as e:
+        result.stopped = str(e)
+    except Exception as e:  # noqa: BLE001 - the first thing fakes cannot do ends the plan; traced phases stand
+        result.stopped = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    finally:
+        torch.set_num_threads(threads)
+    for ph in ctx.phases:
+        ph.weights_bytes, ph.grads_bytes, ph.optimizer_bytes = model_states(
+            ph.params, ph.largest_layer, params.ranks, params.zero_stage, params.bf16)
+        ph.rank_bytes = (ph.weights_bytes + ph.grads_bytes + ph.optimizer_bytes + ph.buffers + ph.activation_bytes)
+    result.phases = ctx.phases
+    result.seconds = time.monotonic() - t0
+    return result
