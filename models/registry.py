@@ -23,7 +23,7 @@ from models.contract import Paper, PaperParams
 
 PROFILES = ("test", "smoke", "full")
 DEFAULT_PROFILE = "smoke"  # what `paperline run` runs; its data is the hand-written `prepare@<id>` DVC stage
-_NOT_PAPERS = {"contract", "registry", "common"}
+_NOT_PAPERS = {"contract", "registry", "common", "verdicts", "inputs"}  # the framework, not papers
 
 
 class ConfigError(ValueError):

@@ -40,13 +40,12 @@ def test_two_runs_of_one_paper_at_once_keep_everything_apart(workspace):
     outputs = [p.communicate(timeout=900)[0] for p in runs]
     assert [p.returncode for p in runs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     client = MlflowClient(settings.tracking_uri())
-    found = client.search_runs([client.get_experiment_by_name("paperline/sei").experiment_id])
+    found = _pipeline_runs(client, "sei")
     assert len(found) == 2 and {r.info.status for r in found} == {"FINISHED"}
     assert {r.data.params["n_samples"] for r in found} == {"150", "160"}
     assert len({r.data.tags["paperline.data_hash"] for r in found}) == 2
-    for run in found:  # each run's own folder with its own committed checkpoints and claim
-        folder = workspace / "runs" / "sei" / run.info.run_id
-        assert (folder / "claim.json").exists() and list(folder.glob("checkpoints/*/committed.json"))
+    for run in found:  # each run's own folders with its own committed checkpoints and claim
+        _assert_own_folders(client, workspace, run)
     assert len(list((workspace / "variants" / "sei").iterdir())) == 2
 
 
@@ -61,12 +60,23 @@ def test_suite_beside_a_single_run_of_one_of_its_papers(workspace):
     assert [p.returncode for p in runs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     assert all("claim sei:" in o for o in outputs) and "claim ldka:" in outputs[0]
     client = MlflowClient(settings.tracking_uri())
-    sei = client.search_runs([client.get_experiment_by_name("paperline/sei").experiment_id])
+    sei = _pipeline_runs(client, "sei")
     assert len(sei) == 2 and {r.info.status for r in sei} == {"FINISHED"}
     assert len({r.data.tags["paperline.data_hash"] for r in sei}) == 1  # the same work, the same data
     for run in sei:
-        folder = workspace / "runs" / "sei" / run.info.run_id
-        assert (folder / "claim.json").exists() and list(folder.glob("checkpoints/*/committed.json"))
+        _assert_own_folders(client, workspace, run)
     assert len(list((workspace / "variants" / "sei").iterdir())) == 1
-    ldka = client.search_runs([client.get_experiment_by_name("paperline/ldka").experiment_id])
+    ldka = _pipeline_runs(client, "ldka")
     assert [r.info.status for r in ldka] == ["FINISHED"]
+
+
+def _pipeline_runs(client, paper: str) -> list:
+    experiment = client.get_experiment_by_name(f"paperline/{paper}").experiment_id
+    return client.search_runs([experiment], "tags.`paperline.kind` = 'pipeline'")
+
+
+def _assert_own_folders(client, workspace, run) -> None:
+    """The pipeline run's folder holds its claim; its replicate's folder its committed checkpoints."""
+    assert (workspace / "runs" / "sei" / run.info.run_id / "claim.json").exists()
+    (child,) = client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")
+    assert list((workspace / "runs" / "sei" / child.info.run_id).glob("checkpoints/*/committed.json"))

@@ -16,7 +16,8 @@ from tests.conftest import PROJECT
 
 def test_registry_matches_model_files_and_params():
     ids = set(registry.papers())
-    files = {p.stem for p in (PROJECT / "models").glob("*.py")} - {"__init__", "contract", "registry"}
+    framework = {"__init__", "contract", "registry", "verdicts", "inputs"}
+    files = {p.stem for p in (PROJECT / "models").glob("*.py")} - framework
     assert ids == files
     params = yaml.safe_load((PROJECT / "params.yaml").read_text())["papers"]
     assert set(params) == ids, "every registered paper needs a params.yaml section (and the DVC foreach uses it)"
@@ -69,18 +70,24 @@ def test_cli_bad_input_exits_2_and_writes_nothing(workspace, args):
     assert sorted(p.relative_to(workspace) for p in workspace.rglob("*")) == before
 
 
-def test_claim_takes_best_of_several_and_needs_its_metrics():
+def test_claim_needs_its_metrics():
     claim = Claim(all_of=(Compare("method/a", ">", ("baseline/x/a", "baseline/y/a")), Compare("method/l", "<", "b/l")))
-    result = claim.evaluate({"method/a": 0.8, "baseline/x/a": 0.7, "baseline/y/a": 0.75, "method/l": 1.0, "b/l": 2.0})
-    assert result.holds and "baseline/y/a" in result.numbers
-    assert not claim.evaluate({"method/a": 0.72, "baseline/x/a": 0.7, "baseline/y/a": 0.75,
-                               "method/l": 1.0, "b/l": 2.0}).holds
-    assert "baseline/{x,y}/a" in claim.text()
-    threshold = Claim(all_of=(Compare("method/slope", ">=", 0.3), Compare("method/slope", "<=", 0.7)))
-    assert threshold.evaluate({"method/slope": 0.5}).holds and not threshold.evaluate({"method/slope": 0.8}).holds
-    assert threshold.text() == "method/slope >= 0.3 and method/slope <= 0.7"
     with pytest.raises(KeyError, match="baseline/y/a"):
         claim.evaluate({"method/a": 1.0, "baseline/x/a": 0.0, "method/l": 0.0, "b/l": math.inf})
+    threshold = Claim(all_of=(Compare("method/slope", ">=", 0.3), Compare("method/slope", "<=", 0.7)))
+    assert threshold.text() == "method/slope >= 0.3 and method/slope <= 0.7"
+
+
+def test_a_run_request_is_resolved_once_with_its_replicates():
+    req = registry.request("sei", "smoke", {"seed": 5}, PROJECT / "params.yaml")
+    assert req.replicates == 3 and req.params.seed == 5 and not req.is_default
+    reps = [req.replicate(i) for i in range(req.replicates)]
+    assert [r.params.seed for r in reps] == [5, 6, 7] and [r.raw["seed"] for r in reps] == [5, 6, 7]
+    assert all("replicates" not in r.raw and r.params.replicates == 1 for r in reps)
+    default = registry.request("sei", "smoke", None, PROJECT / "params.yaml")
+    assert default.is_default and [default.replicate(i).is_default for i in range(3)] == [True, False, False]
+    with pytest.raises(registry.ConfigError, match="replicates"):
+        registry.request("sei", "smoke", {"replicates": 0}, PROJECT / "params.yaml")
 
 
 def test_malformed_params_yaml_is_a_config_error(tmp_path):

@@ -24,52 +24,68 @@ def _eval_metrics(run_id: str) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if k.split("/")[0] in ("method", "baseline", "detail", "claim")}
 
 
-def test_killed_rank_resumes_from_checkpoint_bitwise(workspace, prefect_harness, monkeypatch):
+def _replicates(parent_id: str) -> list:
+    client = tracking.client()
+    parent = client.get_run(parent_id)
+    runs = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    return sorted(runs, key=lambda r: int(r.data.tags["paperline.replicate"]))
+
+
+def test_killed_rank_in_replicate_2_of_3_resumes_that_replicate_bitwise(workspace, prefect_harness, monkeypatch):
     from flows.pipeline import paper_pipeline
 
-    clean = paper_pipeline("sei", "test", FAST)
-    monkeypatch.setenv("PAPERLINE_FAULT", "kill:1:detect:3")  # rank 1 dies after step 3; step 2 is committed
-    faulted = paper_pipeline("sei", "test", FAST, force=True)
-    run_dir = settings.runs_dir() / "sei" / faulted["run_id"]
-    assert (run_dir / "fault-fired-1-detect-3").exists(), "the fault must actually have fired"
+    clean = paper_pipeline("sei", "test", {**FAST, "replicates": 3})
+    # rank 1 of replicate 2 (seed 1) dies after step 3; its step 2 is committed; the train task's retry continues it
+    monkeypatch.setenv("PAPERLINE_FAULT", "kill:1:detect:3:seed=1")
+    faulted = paper_pipeline("sei", "test", {**FAST, "replicates": 3}, force=True)
+    children = _replicates(faulted["run_id"])
+    fired = [(settings.runs_dir() / "sei" / c.info.run_id / "fault-fired-1-detect-3").exists() for c in children]
+    assert fired == [False, True, False], "the fault must have fired in replicate 2 only"
     # bitwise on CPU: same world size, batches and dropout seeded by the step, gloo reductions in a fixed order
     assert _eval_metrics(faulted["run_id"]) == _eval_metrics(clean["run_id"])
     client = tracking.client()
-    resumed = client.get_metric_history(faulted["run_id"], "train/detect/resumed_at_step")
-    assert [m.value for m in resumed] == [2.0]
-    history = client.get_metric_history(faulted["run_id"], "train/detect/loss")
-    clean_history = client.get_metric_history(clean["run_id"], "train/detect/loss")
-    assert [(m.step, m.value) for m in history] == [(m.step, m.value) for m in clean_history]
+    resumed = [[m.value for m in client.get_metric_history(c.info.run_id, "train/detect/resumed_at_step")]
+               for c in children]
+    assert resumed == [[], [2.0], []]  # only the killed replicate resumed; the others trained once
+    for a, b in zip(_replicates(clean["run_id"]), children, strict=True):
+        history = client.get_metric_history(b.info.run_id, "train/detect/loss")
+        clean_history = client.get_metric_history(a.info.run_id, "train/detect/loss")
+        assert [(m.step, m.value) for m in history] == [(m.step, m.value) for m in clean_history]
 
 
-def test_killed_pipeline_is_continued_not_redone(workspace, prefect_harness):
+def test_killed_pipeline_is_continued_at_the_replicate_it_lost(workspace, prefect_harness):
     from prefect.settings import PREFECT_API_URL
 
     from flows.pipeline import paper_pipeline
 
     env = {**os.environ, "PAPERLINE_ROOT": str(workspace), "PREFECT_API_URL": str(PREFECT_API_URL.value())}
-    code = "from flows.pipeline import paper_pipeline; paper_pipeline('sei', 'test')"
+    code = "from flows.pipeline import paper_pipeline; paper_pipeline('sei', 'test', {'replicates': 2})"
     log = workspace / "killed-pipeline.log"
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.time() + 300
-    while not list(workspace.glob("runs/sei/*/TRAIN_DONE")):  # kill it between train and evaluate
+    while len(list(workspace.glob("runs/sei/*/TRAIN_DONE"))) < 2:  # kill it between replicate 2's train and evaluate
         assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    (run_dir,) = workspace.glob("runs/sei/*")
-    result = paper_pipeline("sei", "test")
-    assert result["run_id"] == run_dir.name and not result["reused"]
-    assert tracking.client().get_run(result["run_id"]).info.status == "FINISHED"
-    train_log = (run_dir / "train.log").read_text()
-    assert train_log.count("phase detect: step 4/4") == 1, "training must not run again"
+    logs = [d / "train.log" for d in workspace.glob("runs/sei/*")]
+    trained = {log.parent.name: log.read_text() for log in logs if log.exists()}
+    assert len(trained) == 2
+    result = paper_pipeline("sei", "test", {"replicates": 2})
+    assert not result["reused"] and tracking.client().get_run(result["run_id"]).info.status == "FINISHED"
+    children = _replicates(result["run_id"])
+    assert {c.info.run_id for c in children} == set(trained) and {c.info.status for c in children} == {"FINISHED"}
+    for run_id, log_before in trained.items():
+        train_log = (workspace / "runs" / "sei" / run_id / "train.log").read_text()
+        assert train_log == log_before, "no replicate trains again"
+        assert train_log.count("phase detect: step 4/4") == 1
 
 
 def test_corrupted_data_is_detected_and_regenerated(workspace, prefect_harness):
     from flows.pipeline import paper_pipeline
 
     first = paper_pipeline("sei", "test")
-    (table,) = workspace.glob("variants/sei/test-*/data/samples.parquet")
+    (table,) = workspace.glob("variants/sei/test-*/data/samples.parquet")  # one replicate: one stage
     table.write_bytes(table.read_bytes()[:100])  # truncated
     second = paper_pipeline("sei", "test")
     assert second["data_hash"] == first["data_hash"] and second["reused"]

@@ -123,8 +123,8 @@ def test_a_suite_prestarts_the_paper_after_the_one_that_finished_training(monkey
 
     started = []
     monkeypatch.setattr(pipeline.train, "prestart", lambda pid, params: started.append((pid, params.ranks)))
-    upcoming = pipeline._Upcoming({pid: registry.resolve(pid, "test", None, settings.params_file())
-                                   for pid in ("sei", "ldka", "qubo_relax")})
+    upcoming = pipeline._Upcoming([registry.request(pid, "test", None, settings.params_file())
+                                   for pid in ("sei", "ldka", "qubo_relax")])
     upcoming.start("sei")
     upcoming.prestart_next()  # sei trained: ldka is next
     upcoming.start("ldka")

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from models import registry
+from models.verdicts import VERDICTS
 from tasks.steps import evaluate
 from tasks.worker import train_in_process
 from tests.conftest import PROJECT
@@ -23,11 +24,23 @@ def test_paper_test_profile_end_to_end(paper_id, tmp_path):
     assert list(data_dir.glob("*.parquet")), "prepare must write parquet tables"
 
     train_in_process(paper_id, params, data_dir, out_dir)
-    metrics, claim = evaluate(paper, params, data_dir, out_dir, run_id=None)
+    metrics = evaluate(paper, params, data_dir, out_dir, run_id=None)
     assert metrics and all(math.isfinite(v) for v in metrics.values())
     assert paper.primary[0] in metrics and paper.primary[1] in ("max", "min")
-    assert claim.holds in (True, False) and claim.numbers
-    assert json.loads((out_dir / "claim.json").read_text())["holds"] == claim.holds
+    assert json.loads((out_dir / "metrics.json").read_text()) == metrics
+    claim = paper.claim.decide([metrics, metrics])  # two identical replicates: every part decisive, no NaN
+    assert claim.verdict in VERDICTS and len(claim.parts) >= len(paper.claim.all_of)
+    assert all(p.verdict != "inconclusive" for p in claim.parts)
+
+    # the registered model: a pyfunc whose context restores every phase's trained network (flows/serving.py)
+    import mlflow.pyfunc
+
+    from flows.serving import save_model
+
+    save_model(paper_id, out_dir, tmp_path / "model")
+    restored = mlflow.pyfunc.load_model(str(tmp_path / "model")).unwrap_python_model()
+    phases = sorted(p.name.removeprefix("network.").removesuffix(".pt") for p in out_dir.glob("network.*.pt"))
+    assert sorted(restored.modules) == phases and (phases or not paper.learns), restored.networks.keys()
 
     # checkpoint round-trip: a rerun in the same folder resumes every finished phase instead of retraining
     committed = sorted(out_dir.glob("checkpoints/*/committed.json"))
@@ -36,7 +49,7 @@ def test_paper_test_profile_end_to_end(paper_id, tmp_path):
     (out_dir / "TRAIN_DONE").unlink()
     train_in_process(paper_id, params, data_dir, out_dir)
     assert {p: p.read_text() for p in committed} == before
-    assert evaluate(paper, params, data_dir, out_dir, run_id=None)[0] == metrics
+    assert evaluate(paper, params, data_dir, out_dir, run_id=None) == metrics
 
 
 def test_prepare_is_deterministic(tmp_path):

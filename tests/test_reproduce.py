@@ -35,10 +35,11 @@ def test_reproduce_reruns_a_recorded_run_and_matches_bitwise(tmp_path):
     env = {**os.environ, "PAPERLINE_ROOT": str(clone), "PYTHONPATH": str(clone),
            "DVC_SITE_CACHE_DIR": str(clone / ".dvc" / "site-cache")}
     cli = [sys.executable, "-m", "flows.cli"]
-    subprocess.run([*cli, "run", "sei", "--profile", "test", "--set", "epochs=2"], cwd=clone, env=env, check=True,
-                   capture_output=True)
+    subprocess.run([*cli, "run", "sei", "--profile", "test", "--set", "epochs=2", "--set", "replicates=2"], cwd=clone,
+                   env=env, check=True, capture_output=True)
     client = MlflowClient(f"sqlite:///{clone / 'mlflow.db'}")
-    (original,) = client.search_runs([client.get_experiment_by_name("paperline/sei").experiment_id])
+    experiment = client.get_experiment_by_name("paperline/sei").experiment_id
+    (original,) = client.search_runs([experiment], "tags.`paperline.kind` = 'pipeline'")
     assert client.get_run(original.info.run_id).data.tags["paperline.code_ref"]
     pinned = subprocess.run(["git", "rev-parse", f"refs/paperline/{original.info.run_id}"], cwd=clone, check=True,
                             capture_output=True, text=True).stdout.strip()
@@ -48,6 +49,7 @@ def test_reproduce_reruns_a_recorded_run_and_matches_bitwise(tmp_path):
                           text=True)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "REPRODUCED" in done.stdout and "| method/cnn_auroc |" in done.stdout
+    assert "| stats/method/cnn_auroc/ci95_low |" in done.stdout  # the interval over the two replicates too
     rerun = client.search_runs([original.info.experiment_id],
                                filter_string=f"tags.`paperline.reproduces` = '{original.info.run_id}'")
     assert len(rerun) == 1 and rerun[0].data.tags["paperline.reproduced"] == "true"
