@@ -33,7 +33,7 @@ def _finished_run(paper: str, value: float, holds: bool, start_ms: int | None = 
     client = tracking.client()
     run = client.create_run(tracking.experiment_id(paper), start_time=start_ms,
                             tags={"paperline.profile": profile, "paperline.data_hash": data_hash,
-                                  "claim.holds": str(holds).lower()})
+                                  "claim.verdict": "holds" if holds else "does not hold"})
     client.log_metric(run.info.run_id, registry.get(paper).primary[0], value)
     client.log_metric(run.info.run_id, "time/total_s", 61.0)
     client.log_text(run.info.run_id, "weights", "outputs/model.txt")
@@ -53,7 +53,7 @@ def test_versions_and_aliases_in_the_mlflow_registry(workspace):
     assert d3.alias == "champion-smoke"
     assert str(client.get_model_version_by_alias(name, "champion-smoke").version) == v3
     version = client.get_model_version(name, v3)
-    assert version.tags["paperline.data_hash"] == "h" and version.tags["claim.holds"] == "false"
+    assert version.tags["paperline.data_hash"] == "h" and version.tags["claim.verdict"] == "does not hold"
     assert version.source.endswith("/model")  # an MLflow pyfunc model holding the run's outputs
 
     lifecycle.promote("sei", v2, "rollback")  # by hand, recorded as such

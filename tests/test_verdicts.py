@@ -139,3 +139,16 @@ def test_parent_aggregates_each_metric_with_its_interval():
     assert out["only_once"] == 3.0 and out["stats/only_once/n"] == 1 and "stats/only_once/std" not in out
     result = Claim(all_of=(Compare("m", ">", 0.0),)).decide([{"m": 1.0}, {"m": 1.5}, {"m": 2.0}])
     assert claim_metrics(result)["claim/verdict"] == 1.0 and claim_metrics(result)["claim/part0/effect"] == 1.5
+
+
+def test_morning_report_flags_only_reversals_between_decisive_verdicts():
+    from flows.morning import Line
+
+    def line(before, now):
+        return Line("sei", "retrained", verdict_before=before, verdict_now=now)
+
+    assert line("holds", "does not hold").flipped and line("does not hold", "holds").flipped
+    lost = line("holds", "inconclusive")
+    assert not lost.flipped and lost.became_inconclusive
+    assert not line("inconclusive", "holds").flipped and not line("inconclusive", "holds").became_inconclusive
+    assert not line("", "holds").flipped
