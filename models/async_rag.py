@@ -35,15 +35,6 @@ Deviations from the paper (choices the abstract left open):
   in flight (so a missed prediction costs FLARE's stall, not quality). FLARE-style active RAG starts, as FLARE does,
   with a retrieval on the question (the same top-k as single-shot) and queries with question + partial sentence.
 - Real datasets (full profile) keep their own vocabulary (closed over the loaded text) and skip the renaming.
-
-Smoke result (seed 0, 32 test questions, L_r = 30 ms, 10 ms per token): the claim holds. Latency 141 ms vs 269 ms
-for synchronous active RAG (-47%, paper -43.5%); TTFT 12.7 ms vs 48.7 ms for single-shot RAG (-74%, paper -62.4%);
-fact accuracy 0.297 vs 0.313 (single-shot; active 0.281), inside the 2-point margin by 0.4 points, so the quality
-verdict is fragile at this scale. The tiny generator copies passages unreliably (all arms <= 0.48 fact accuracy;
-heuristic async, whose question passage arrives mid-answer, is the most accurate at 0.48). Predictor AUROC at
-Delta = 6 is 1.00 vs 0.45 for the current-entropy trigger: in these templates the precursor ("X was born in")
-fully determines that an unknown object follows, so "when" is easy here; query precision@1 is 0.43, so "what" is
-the weak part (the method falls back to a blocking retrieval when its prefetch brought the wrong passage).
 """
 
 from __future__ import annotations

@@ -30,15 +30,6 @@ Deviations from the paper (choices the abstract left open):
   hashed bag-of-words stand-in for MiniLM (`victim_encoder: hashed`) so CI loads no model.
 - Full: Quora Question Pairs, intents = connected components of duplicate pairs [load_qqp].
 - Payloads are short (3-4 words); the payload length sets how far the attack query starts from the victims.
-
-Smoke result (seed 0; 24 intents, 8 attacked, E3 surrogate, 320 surrogate queries per intent): the claim does NOT
-hold. Every attack's hit rate on E1 is 0 (CacheAttack, naive and random alike; tau_E1 = 0.79 calibrated at <= 5%
-false hits, benign correct-hit 0.68) and stays 0 over the whole sweep tau 0.65-0.95, so the tau Spearman is 0.
-Measured MiniLM cosines explain it: victims sit at ~0.8 from their paraphrases, but payload + a verbatim guess
-reaches only ~0.55 on average, and the TF-IDF-optimised word salad ~0.51, no closer than naive: a bag-of-n-grams
-surrogate's optimum does not transfer to MiniLM here. The white-box reference (full only) would show whether any
-suffix reaches tau; a learned surrogate (E4, `surrogates: [e4]`) is the other lever. Against the E3 cache itself the
-rates are 0.14 (CacheAttack) / 0.16 (naive) / 0.04 (random).
 """
 
 from __future__ import annotations

@@ -47,17 +47,6 @@ Deviations from the paper (choices the abstract and spec left open):
 - Full: Wan2.1-T2V-1.3B and VBench are not run here; `load_ode_pairs` reads Self Forcing / CausVid ODE pairs
   (prompts.txt + one .pt per prompt holding {prompt: latents (1, S, F, C, H, W)}) and is tested on a fixture; the
   full profile scales the synthetic setting.
-
-Smoke result (1 seed, 2 ranks; 200 teacher / 100 ODE-init / 35 DMD steps, 128 clips per arm): the check does not
-hold, on dynamic degree. Causal Forcing vs Self Forcing: dynamic degree 0.789 vs 0.984 (-19.8%; paper +19.3%),
-frame fidelity 0.815 vs 0.791 (+3.1%; paper +8.7%), instruction accuracy 0.352 vs 0.250 (+40.6%; paper +16.7%);
-secondary: held-out ODE residual of the bi-pair student 0.140 vs 0.015 for the AR-pair student (9x, largest at
-t = 1: 0.291 vs 0.037), the injectivity gap the paper names. Why dynamic degree goes the other way here: at 200
-teacher steps T_bi itself is jittery (dynamic degree 0.977 vs 0.735 on real clips, where a quarter are static) and
-barely follows prompts (accuracy 0.227 vs T_ar's 0.508), so "more motion" rewards jitter; Causal Forcing's 0.789 is
-the one close to the data's 0.735. The scorers are stand-ins (spec), and with one seed and 128 clips per arm the
-fidelity gap is small. An earlier smoke (150 ODE-init / 50 DMD steps, 256 clips) gave the same pattern: 0.746 vs
-0.961, 0.839 vs 0.824, 0.449 vs 0.285, residual 0.122 vs 0.014.
 """
 
 from __future__ import annotations

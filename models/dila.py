@@ -26,12 +26,6 @@ Deviations from the paper (choices the abstract left open):
   pixel MSE of the final generated frame to the goal frame; the discrete LAM's candidates snap to the nearest code.
 - Full: BridgeData V2 is not loaded yet (no loader in this module); the full profile runs the synthetic world at
   larger width, more data and the beta sweep.
-
-Smoke result (1 seed, beta = 0.1, 300 steps): the check holds. Transfer accuracy DiLA 0.125 vs continuous LAM 0.047
-(discrete LAM 0.016); PSNR DiLA 17.41 dB vs LAM 16.96 dB (SSIM 0.47 vs 0.40; 4-step rollout 16.3 vs 15.9 dB);
-planning success 0.44 vs 0.31 (both LAMs). Read with care: at this scale the linear probe R^2 from a to (dx, dy)
-is about 0 for every model and leakage sits at chance (0.50) for all three, so the latent actions are still weakly
-structured and transfer is rare everywhere (64 pairs: 8 vs 3 successes); one seed cannot separate this from noise.
 """
 
 from __future__ import annotations

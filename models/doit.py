@@ -37,20 +37,6 @@ Deviations from the paper (choices the abstract left open):
   MuJoCo evaluation also needs the `mujoco` package (not installed).
 - Smoke uses gamma 0.9 and a Polyak rate 0.05 for IQL (full: 0.99 / 0.005): with gamma 0.99, 800 steps left Q flat
   across actions (std 0.02 per state), so every reward-guided method only saw noise.
-
-Smoke result (Pendulum, 20k transitions, 800 steps, 4 episodes of 100 steps, one seed; holds): DOIT-Practical scores
-111.1 (return -97, the same as over 200 steps: it swings up and then balances at no cost) against pretrained 7.4,
-Best-of-N (N = 9) 27.6, gradient guidance 21.8 and SVDD 19.2; with the quantised reward DOIT scores 58.9 (BoN 19.3,
-SVDD 17.0). Counted FLOPs per action 96.2M vs Best-of-N's 53.5M (ratio 1.8 <= 2). Toy SW2 to the exact tilted
-target: pretrained 0.84, DOIT-Proto (M, L) = (4, 2) 0.48, (16, 8) 0.16. The episodes were cut from 200 to 100 steps
-to fit the 90 s smoke budget (the 200-step run: DOIT 104.7, BoN 18.1, gradient 23.6, SVDD 10.2; also holds); a
-trial with 10 diffusion steps and 600 training steps instead lost the mechanism (DOIT 8.5 vs gradient 25.4), so
-the 20 diffusion steps and 800 training steps are kept. Caveats: the behaviour policy is weak at 800 steps (score
-7.4 over 100 steps, 20 over 200, while the data's controller episodes score ~80-100), so most of DOIT's gain is the
-critic's knowledge injected through the Doob gradient; Best-of-N and SVDD resample with softmax(Q / alpha), alpha =
-0.1, which is nearly uniform when Q differs little among the N samples of one state, while DOIT's standardised
-weights are scale-free (a greedy Best-of-N would be a stronger baseline). One seed and four episodes: the baselines'
-7-28 spread is noise.
 """
 
 from __future__ import annotations

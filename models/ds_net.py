@@ -21,16 +21,6 @@ What it implements (function names in brackets):
 - VG150 loader for the full profile [load_vg150] (VG-SGG-with-attri.h5 + dicts json + image_data.json); the
   predicate and class vocabularies come from the data [Vocab, vocab], the heads are sized from them.
 
-Smoke results (2 seeds, 600 steps). `paperline run` (2 ranks, 53 s wall on a quiet machine, 45 s training at
-17.8 it/s): does NOT hold, on the per-seed rule only. mR@100
-DS-Net 0.643 vs host 0.629 (per-seed deltas +0.029, -0.001) and with frequency bias 0.648 vs 0.626 (+0.018, +0.026);
-R@100 0.662 vs 0.642; entanglement cosine of tied predicate pairs 0.73 (DS-Net) vs 0.89 (host); geometric
-over-prediction 0.145 vs 0.140 (no reduction). An in-process one-rank run of the same profile held (deltas +0.023,
-+0.005 and +0.017, +0.028): the mean gain is consistent (+0.014 / +0.022 mR@100), the no-bias seed-1 delta sits at
-zero. Scenes hold at most 8 proposals (56 pairs), so R@50 and R@100 coincide. With the knob off (`tie: 0`, in-process, 2
-seeds) DS-Net still wins: mR@100 0.644 vs 0.631 and 0.650 vs 0.624 (fb), every seed positive, so at this scale the
-gain does not come from the co-occurrence entanglement the knob controls but from the split heads themselves.
-
 The phenomenon's knobs: `rho` (co-occurrence strength), `p_sem` (salience) and `tie` (the probability that a
 non-geometric predicate is drawn from those tied to the pair's geometry; `tie: 0` assigns it regardless of
 geometry, so co-occurrence no longer entangles the two predicate families).

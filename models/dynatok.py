@@ -31,14 +31,6 @@ Deviations from the paper (choices the abstract left open):
 - Scene-level sequences give each object's canonical coordinates its own offset, so drift across objects counts.
 - DeformingThings4D: surface points are fixed (face, barycentric) samples of the mesh, their u the same
   barycentric mix of the first frame's vertices; the first `frames` frames of each file form one sequence.
-
-Smoke result (1 seed, 150 steps of 4 sequences, all four models in lock-step): the check does not hold. Chamfer-L2:
-DynaTok 0.122 vs per-frame 0.141 and no decoupling 0.176 (holds; deterministic folding 0.119). Drift: DynaTok 0.093
-vs per-frame 0.102 and no decoupling 0.095 but deterministic 0.088 (fails; a random point order drifts 0.81).
-Read with care: after 150 steps the three flow decoders still emit a blob around the object's centre that barely
-changes between frames (see plots/reconstructions.png), so their low drift mostly reflects static output, and
-F-scores at 1% of the diagonal are below 0.012 for every model; the spec's limits say as much (each training
-sequence is seen about once).
 """
 
 from __future__ import annotations

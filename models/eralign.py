@@ -29,16 +29,6 @@ Deviations from the paper (choices the abstract left open):
 - GCN without alignment reads the same [h^L; P_t t_v] as ERAlign (lambda = 0), so only the alignment differs.
 - Link prediction: held-out edges (10 %) are removed from graph 1 before training; the probe is a logistic
   regression on Hadamard products of [h^L; P_t t] with as many sampled non-edges, fit on half and scored on half.
-
-Smoke result (seed 0, with the CD penalty; machine at load ~20 on 2 cores, 0.7 it/s for the 12 models in
-lock-step; prepare 308 s, train 188 s, evaluate 19 s): the claim does not hold. Test accuracy (100 test nodes, so
-1 point = 1 node) at 5 % labels: ERAlign 0.91, GCN 0.91, MSE 0.86, InfoNCE 0.83, MLP 0.74 (a tie: fails); at 20 %:
-ERAlign 0.93, InfoNCE 0.97, GCN / MSE / CD / final-only 0.96, MLP 0.71 (fails, and so do ED >= CD - 1 point and
-layer-wise > final-only). Link transfer AUC: ERAlign 0.727, CD 0.739, GCN 0.729, final-only 0.729, MSE 0.719,
-InfoNCE 0.718 (fails). ED costs 27 projector passes per node and step against CD's 66 (holds). An earlier run
-(CD without the penalty) gave ERAlign 0.93 / 0.94 and InfoNCE 0.92 / 0.96 with unchanged code for both, so
-run-to-run variation of the 2-rank CPU training is a few test nodes: every accuracy gap above is within it. On these
-SBM graphs a GCN over MiniLM features is already near the ceiling; the alignment term has little room.
 """
 
 from __future__ import annotations

@@ -45,15 +45,6 @@ Deviations from the paper (choices the abstract left open):
   clients' teachers differ; the spec's global revision happens at every round start.
 - Co-teaching uses each client's true noise ratio as its forget rate (the usual oracle), ramped over 5 rounds,
   and small-loss selection runs on each rank's share of the batch. SCE uses alpha = 0.1, beta = 1, A = log 1e-4.
-- Smoke result (both settings, 2 ranks, seed 0; 2026-12-01): the claim does not hold. Final test accuracy, mild /
-  severe: FedGR 0.844 / 0.348, FedAvg 0.942 / 0.465, FedProx 0.942 / 0.460, SCE 0.953 / 0.337, Co-teaching 0.955 /
-  0.304. The claim is judged on the setting where FedGR's margin over its best baseline is smallest (mild here).
-  Sniffing works in the mild setting (detection F1 0.80, refined-label precision 0.92) and not in the severe one
-  (F1 0.29, precision 0.56, recall 0.03): at 40-70 % noise per client the global model after 8 short rounds is too
-  weak to tell clean from noisy samples, and refining from it pulls FedGR below FedAvg. One rank gives the same
-  picture (0.844 / 0.351 vs FedAvg 0.942 / 0.462; Co-teaching differs most, its small-loss selection runs per rank),
-  so the ranks are not what lowers the severe setting. The memorisation observation holds (area 0.25 global vs 0.39
-  local). An earlier one-rank run of the severe setting alone (older code) gave FedGR 0.649 vs SCE 0.663.
 - Full profile: CIFAR-10/100 pickle and Clothing1M list-file loaders feed the same batched MLP on flattened 32x32
   RGB pixels (no CNN / ResNet-18: the batched-weights design is MLP-only). FedAvg resets weights inside the engine,
   which assumes ZeRO stage 0 (fp32 params are the optimiser's own), so the full profile keeps zero_stage 0, fp32.

@@ -30,13 +30,6 @@ Deviations from the paper (choices the abstract left open):
   (`models.common.graphs.load_tag_folder`): one train folder and zero-shot test folders; label sets larger than
   `max_labels` are cut per query to the true label plus a seeded sample of the others.
 - Smoke scores a seeded sample of `test_queries` = 20 queries per test graph (24 SBM graphs + karate club).
-
-Smoke result (seed 0, 1 seed; machine at load 30-38 on 2 cores, so LM pretraining ran at 2.2 it/s and the four
-methods in lock-step at 0.9 it/s): the claim holds but narrowly and from one seed. Zero-shot accuracy GaRA 0.424,
-soft prompts 0.336, graph-as-text 0.270, GaRA without the norm constraint 0.328; chance 0.307 and the frozen LM alone
-0.324 (training-topic graphs: GaRA 0.37, soft prompt 0.26, no-norm 0.36, graph-as-text 0.26). The baselines stay
-near chance at this budget. Without the constraint the generated ||dW||_F grows to ~8e5 and its training loss spikes;
-GaRA's unconstrained norms also grow (the projection is scale invariant), which slows its learning late in training.
 """
 
 from __future__ import annotations

@@ -27,11 +27,6 @@ Deviations from the paper (choices the spec left open):
 - Wall-clock cost is not separable per network in lock-step training, so the speedup is in optimiser steps
   (network-steps: LOGO G x steps x seeds, GUDA G x U).
 - Not implemented yet: the 30 style groups and the CIFAR-10 loader of the full profile.
-
-Smoke result (one seed): the claim holds. Top-1 agreement with LOGO 0.60 (similarity 0.35, gradient 0.18,
-instance unlearning 0.43), Spearman 0.48 (best baseline 0.07), NDCG@3 0.82 (best baseline 0.65); speedup 10x in
-network-steps (5 x 300 LOGO vs 5 x 30 unlearning). Evaluate is the slow stage: instance-level unlearning
-(60 samples x 5 ascent steps, each scored on 500 training images) dominates it.
 """
 
 from __future__ import annotations

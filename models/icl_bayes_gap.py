@@ -26,12 +26,6 @@ Deviations from the paper (choices the abstract left open):
   subset of test prompts at a few n.
 - Pretraining samples minibatches with replacement from the fixed M prompts (finite-sample pretraining).
 - Claim thresholds (3 standard errors, R^2 0.9, 1%) are the spec's numbers, written into the claim.
-
-Smoke result (450 steps, width 64, 2 ranks): the claim holds. The exact Bayes predictor's risk at n = 16 is 0.145
-(oracle type 0.145, misspecified ridge 0.159, whose Bayes Gap is 0.014); MIX(n) decays with b = 0.94 per example
-(R^2 0.99); R = BG + PV within 0.6 standard errors for all six models. The transformers are far from f* at this
-budget: uniform-attention BG 3.73 / 2.05 / 1.56 for M = 256 / 1,024 / 4,096 (log-log slope -0.31), softmax 3.42 /
-1.86 / 1.16, so check 2 passes on a Bayes Gap that is still dominated by optimisation, not by M.
 """
 
 from __future__ import annotations

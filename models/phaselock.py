@@ -40,17 +40,6 @@ Deviations from the paper (choices the abstract and spec left open):
 - Full: the Physics-IQ-style loader is `load_physics_iq` (CSV + mp4 through PyAV, or PNG frame folders; neither
   torchvision nor PyAV is installed here, so the test uses PNG folders); the full profile runs the synthetic ball
   at larger scale, in pixel space (no VAE yet), one seed per run.
-
-Smoke result (1 seed, 600 videos, 250 steps, 16 evaluation videos; `paperline run`, 2 ranks): the check does not
-hold. The premise holds for phase: PS(S=2) 0.543 > PS(S=50) 0.497, an 8.5% relative drop (paper: ~18%), while MS
-rises from -0.34 to 0.01 (the 2-step video is blurry, so magnitudes improve with steps rather than staying stable).
-Physical consistency is at the floor for every arm: PC 0.0 (no video within 1.5 px) for 2-step, 50-step, PhaseLock
-and external guidance (centroid RMSE ~3.5-3.9 px): the model does not yet place the ball. PhaseLock keeps fidelity
-(FD 21.6 vs 24.4 for 50-step; 2-step 36.8) at a FLOP ratio of 1.04 (external guidance 1.00: its gradient does not
-pass the network). The premise needs the training length: at 150 steps (24 evaluation videos) it did not show
-(PS 0.560 < 0.577); at 1,500 videos, 300 steps and 64 evaluation videos it did (0.525 > 0.453, a 13.8% drop).
-With PC at the floor the method comparison carries no weight (spec: honest limits); it needs a model that learns
-the motion first (more steps or a larger U-Net).
 """
 
 from __future__ import annotations

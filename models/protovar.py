@@ -34,17 +34,6 @@ Deviations from the paper (choices the abstract left open):
   The wall-clock of generation + selection is measured in train and written to costs.json beside the metrics.
 - prototypes.parquet holds one row per (class, scale, proto_id, position), the vector being the D-dim code-space
   prototype at that position.
-
-Smoke result (one generator seed, 1 evaluation seed; digits 16x16; 200 tokenizer / 200 generator steps): the claim
-does not hold, on one of its five parts. At IPC 10 ProtoVAR reaches 0.894 test accuracy against latent diffusion
-0.464, plain VAR 0.650 and its no-selector ablation 0.796, at 0.031 counted GFLOPs per surrogate image against
-diffusion's 0.677 (4 against 51 network evaluations per candidate); random real images reach 0.965 (herding 0.970),
-so `acc >= random_real` fails by 0.071. At IPC 1 ProtoVAR (0.688) beats random real (0.640), its no-selector
-ablation (0.537), plain VAR (0.600) and diffusion (0.184); herding on real images (0.796) beats it. An earlier smoke
-at 300 / 300 steps and 2 evaluation seeds failed the same part by 0.006 (0.945 vs 0.951): the shorter VAR training
-widens the gap. The spec expects the IPC-10 gap: on upsampled 8x8 digits random real subsets are already near
-full-data accuracy. The latent DDPM (same size as the VAR) is far from converged at this scale (observer-space MMD
-to the real classes 0.51 against ProtoVAR's 0.13), so its gap reflects training budget as much as the method.
 """
 
 from __future__ import annotations

@@ -34,16 +34,6 @@ Deviations from the paper (choices the spec left open):
 - The claim's constant bounds: speedup >= 1, param ratio == 1, time ratio in 1 +/- 0.03.
 - Not implemented yet: the DiT backbone and the loaders for the PIDM CSV, channel-flow and topology formats.
 - Honest limit (spec): at 16x16 the U-Net is shallow, so intermediate supervision may add little.
-
-Smoke result (one seed, 150 steps, 32 samples per condition; trimmed from 250 steps / 64 samples to fit the 90 s
-smoke budget): the claim holds, but at an earlier, rougher point of training. Every arm's residual is 10-60x the
-250-step run's: ID vanilla 6.6e5, PIDM 9.8e4, intermediate-only 7.6e4, REPA-P 1.1e4 (-88 %); OOD PIDM 5.1e5 vs
-REPA-P 4.5e4 (-91 %); convergence speedup exactly 1.0 (the bound), param ratio 1.0, time ratio 1.00-1.02. The earlier
-250-step / 64-sample smoke did not hold (REPA-P cut the OOD residual by 43 % against PIDM, 8.4e3 vs 1.5e4, but its
-ID residual was higher, 1.9e3 vs 1.2e3, and the speedup was 0.91). Why we think so: at 150 steps every arm is
-still in its first descent, which the physics losses (REPA-P carries the most) speed up; after 250 steps every
-arm's samples still carried grid-scale noise (relative L2 error of p about 1) that the 5-point residual
-amplifies, so one seed's residuals are noisy either way; the spec's own caveat (shallow 16x16 U-Net) applies.
 """
 
 from __future__ import annotations

@@ -33,15 +33,6 @@ Deviations from the paper (choices the abstract left open):
   arm: seed + every candidate that passed Gate 1; pools have equal instance counts.
 - Size-controlled arm: external_plus_evolved replaces half of the external pool's instances with instances of the
   accepted evolved families (not the seeds).
-
-Smoke result (seed 0; 24 seeds -> 48 candidates -> 32 accepted, Gate 3 rejecting 32% of those reaching it, Gate 2
-2%, Gate 1 0%, 1.3 refinements per candidate; the bandit settled on the gradient operator, 28 of 48 proposals): the
-claim does NOT hold. Held-out accuracy (192 instances, chance 0.10): evolved 0.161 vs seed-only 0.141 step-matched,
-0.146 vs 0.141 token-matched, external+evolved 0.146 vs external-only 0.135, no-gate 0.146 < 0.161, but KORBench
-logic 0.141 vs 0.172 and operation 0.188 vs 0.203 go the other way. Every gap is within one standard error
-(~2.6 points here), and the SFT start policy (0.172) beats every GRPO arm: 100 steps of one-token GRPO on a 2-layer
-policy do not yet learn few-shot rule induction, so the comparison is at the noise floor, not a finding about the
-data. More GRPO steps, a larger policy and bigger eval suites (full profile) are the levers.
 """
 
 from __future__ import annotations

@@ -32,19 +32,6 @@ Deviations from the paper (choices the abstract left open):
 - The EGNN is a compact dense version (per-node projections summed per edge, sigmoid edge gate, mean aggregation)
   rather than EDM's exact layer; all arms share it, and train in lock-step in one engine on the same batches,
   noise and time draws.
-
-Smoke result (one seed, 240 heavy-atom molecules, N in [3, 16], 140 steps, 64 samples x 50 steps per arm): the
-claim does not hold. StP (power law, nu = 0.86) harmonises structure formation more than EDM (std across size bins
-of the median t_s 0.135 vs 0.221, |slope against log N| 0.193 vs 0.337) but not more than the global rescale (0.130,
-0.061); validity 0.016 vs EDM 0.016 and molecule stability 0.000 vs 0.016. The tabulated StP form gives t_s
-bin std 0.100, |slope| 0.191, validity 0.016. Type commitment does not harmonise at this length (t_a bin std 0.279
-vs EDM 0.253, global 0.026). An earlier 250-step / 128-sample x 100-step smoke (also not holding) had StP behind EDM
-on t_s (0.068 vs 0.031) and ahead on t_a (0.038 vs 0.203): at this scale these orderings move with the training
-length and the sample set. Why the structure part does not show, as far as we can tell: after 140 steps every
-arm is far from converged (validity <= 5%, mostly chains broken into fragments), so final samples and the
-correlation-based t_s are dominated by an undertrained denoiser. Rg grows almost linearly in N here
-(nu = 0.86 on these chain-rich molecules), a wider spread of scales than QM9's. The paper's QM9 setting trains
-for hundreds of thousands of steps.
 """
 
 from __future__ import annotations

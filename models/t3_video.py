@@ -35,16 +35,6 @@ Deviations from the paper (choices the abstract left open):
   once on a tiny shape in evaluate (and in the tests);
 - full profile: a clip-folder loader (`clip_dir`: `captions.csv` + clips) replaces the sprites where data exist;
   mp4 decoding needs PyAV, which is not installed here, so only the `.npy` clip format is tested [load_clip_folder].
-
-Smoke result (1 seed; 800 train / 200 test videos, 250 pretraining + 25 retrofit steps, 8 Euler steps, 16 videos
-per arm): the check holds, narrowly. FD: T3 16.11, local window 16.32, full fine-tuned 16.36 (1.1x = 18.00), cascade
-17.73, full zero-shot 16.68; class consistency: T3 0.375 (6 of 16) vs full zero-shot 0.25 (real videos 0.93);
-denoiser forward at 4x128x128 px (4,096 tokens) 183 ms full vs 58 ms T3 (x3.2, minimum of 3 on a loaded machine);
-attention FLOPs at 4K x28 (2 layers: one whole frame, then a tall strip). The earlier smoke scale (1,200 / 300
-videos, 300 + 30 steps, 10 Euler steps) did not hold on one part (FD: T3 21.34 vs window 20.84), and a smaller cut
-(200 + 20 steps, 6 Euler steps, timing minimum of 2) failed on two (T3 14.28 vs window 14.25; timing x1.9 under
-load): the verdict turns on FD gaps of 1-3% and on 16 videos. Read with care: the samples are still noisy textures,
-and with 64 frames per arm the FD differences among the fine-tuned arms are within what another seed would move.
 """
 
 from __future__ import annotations

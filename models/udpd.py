@@ -30,17 +30,6 @@ Deviations from the paper (choices the abstract left open):
 - Full: TAG folders (nodes.csv, edges.csv) with their own splits, no synthetic noise; one "setting" per folder,
   `n_seeds` initialisations per folder.
 - UDPD without diffusion also runs in smoke (it is cheap in lock-step).
-
-Smoke result (seed 0, 2 graphs per setting; machine at load ~20 on 2 cores, 0.4-0.6 it/s for the 28 networks in
-lock-step; prepare 458 s of MiniLM, train 427 s, evaluate 48 s): the claim does not hold. Mean test accuracy over
-(0.1, 0.1) and (0.4, 0.4): UDPD 0.713 (0.919 / 0.506), GCN 0.827 (0.966 / 0.689), GAT 0.756, MLP 0.667,
-concatenation 0.644; UDPD >= constant lambda holds (0.698); UDPD without diffusion 0.638. Robustness drop: UDPD
-0.41, GCN 0.28. The structural branch sees no text, so the fused classifier leans on a text MLP plus a PE-only GCN,
-whereas the GCN baseline propagates MiniLM features over the graph; at 200 full-batch steps the diffusion and
-guidance do not close that gap (the spec's "honest limits" foresee it).
-Trimmed smoke (1 seed, 150 steps): UDPD 0.699 vs GCN 0.838, constant lambda 0.702. On a quiet machine the smoke
-pipeline takes 53 s with the data up to date (train 37 s) and ~63 s when prepare reruns (MiniLM: 9 s to load, 4 s to
-encode the 1200 node texts); the 128 s measured first was on a machine shared with other runs.
 """
 
 from __future__ import annotations

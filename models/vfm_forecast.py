@@ -28,19 +28,6 @@ Deviations from the paper (choices the spec or abstract left open):
   64-d covariance); every model is compared against the same reference.
 - The image-generation application (unconditional flow matching decoded to pixels) is not implemented yet; the spec
   runs it in the full profile only. No Cityscapes/DINOv2 loader yet either: full runs the synthetic world at scale.
-
-Smoke result (1 seed, 2 ranks; 500 videos, 200 VFM / 200 probe+AE / 100 forecaster steps, 256 reconstruction
-frames): the check does not hold, on one near-tie. The linear probe reaches only mIoU 0.076 on the true features
-(background dominates; digit identity is barely linearly readable from the weak stand-in's 8x8-patch tokens), so
-every forecaster's mIoU sits in 0.05-0.07 and is not informative: AE-latent flow matching falls just short of PCA
-on mean-sample mIoU (0.06408 vs 0.06414; raw 0.052; best-of-K 0.0735 vs 0.0733). The AE keeps more probe mIoU
-than PCA (0.075 vs 0.071) and has the best FD (3.25 vs raw 4.14, PCA 5.66; 3.31 vs regression's 6.24 at h >= 2).
-Raw-feature flow matching falls below regression on mIoU (0.052 vs 0.070), the paper's motivating observation, and
-regression collapses variance (ratio 0.14). The earlier smoke (1000 videos, 200 forecaster steps, 512 frames) also
-did not hold but the other way round: the AE won mIoU (0.070 vs PCA 0.068) and lost FD (4.73 vs raw 3.01, PCA 4.32,
-regression 3.88 at h >= 2). With 100-200 forecaster steps the 8-d forecasters are undertrained and one seed's FD and
-mIoU move by more than the gaps; the spec's honest limit applies (a 64-d stand-in leaves raw diffusion little to fail
-at).
 """
 
 from __future__ import annotations

@@ -27,17 +27,6 @@ Deviations from the paper (choices the abstract left open):
   re-evaluation of the same run reports the same measured numbers.
 - The claim's constants (z threshold 4, TPR bound 0.5) are returned as `detail/paper/...` metrics for the claim.
 - Full: texts from a C4-style JSONL file (field "text"), lower-cased and mapped onto the alphabet [load_jsonl].
-
-Smoke result (steps 120, docs 1000, prompts 8, gen_chars 64, tv_contexts 32; seed 0; evaluation on one torch thread):
-the claim does not hold. Every provider's watermark is detectable alone (z 9.0 / 4.8 / 4.1, the BPE-192 provider just
-above 4) and WASH lowers the mean max z to 4.04 (single providers 6.0, scrubbing 6.5, paraphrase 6.2, naive averaging
-3.3 at perplexity 35.7) and the TV to the clean average (0.21 vs 0.36), but z stays above 4, TPR@5%FPR is 0.88 and
-perplexity is higher (8.65 vs 7.19 for the single providers; undertrained LMs), and WASH's three aligned passes per
-character cost about 2x the paraphrase's time per character (1.5 vs 0.8 ms; wall-clock, so load-dependent: a run at load
-~10 with two threads measured 51 vs 61 ms). Against the earlier run (steps 200, prompts 16, gen_chars 120) the shorter
-texts lower every z by about sqrt(64 / 120) (single 8.1 -> 6.0, WASH 5.4 -> 4.0). The spec's "honest
-limits" foresee z between 2 and 4 at N=3; the timing line compares against a paraphraser as small as the providers,
-whereas the paper's 6x is against long-generation baselines with a large model.
 """
 
 from __future__ import annotations
