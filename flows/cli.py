@@ -32,13 +32,11 @@ def _fail(message: str, code: int = 2) -> None:
 
 @app.command("list")
 def list_papers() -> None:
-    """Paper ids, titles and the last smoke verdict."""
-    from flows.report import latest_run
+    """Paper ids, titles and the latest verdict (with its run's profile); imports no paper and no MLflow."""
+    from flows.listing import listing
 
-    for pid, paper in registry.papers().items():
-        run = latest_run(pid, None)
-        verdict = "-" if run is None else ("holds" if run.data.tags.get("claim.holds") == "true" else "does not hold")
-        typer.echo(f"{pid:24s} {verdict:14s} {paper.title}")
+    for row in listing():
+        typer.echo(f"{row.paper:24s} {row.verdict:14s} {row.profile:6s} {row.title}")
 
 
 @app.command()

@@ -19,9 +19,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlparse
 
-from mlflow import MlflowClient
-from mlflow.entities import RunStatus
-
 from models.registry import module_file
 from tasks import settings
 from tasks.settings import mask
@@ -30,7 +27,11 @@ CODE_ROOTS = ("tasks", "models/common", "models/contract.py", "models/registry.p
 TAG = "paperline."
 
 
-def client() -> MlflowClient:
+def client():
+    """An `MlflowClient` on the tracking store (mlflow is imported here, not at module import: ~2 s that commands
+    such as `paperline list` do without)."""
+    from mlflow import MlflowClient
+
     # explicit client only: mlflow.set_tracking_uri would also export MLFLOW_TRACKING_URI to every later
     # subprocess and workspace of this process
     uri = settings.tracking_uri()
@@ -196,7 +197,7 @@ def mark_orphans_killed(exp_id: str) -> list[str]:
         pid = run.data.tags.get(f"{TAG}pid")
         if pid and int(pid) in alive:
             continue
-        c.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.KILLED))
+        c.set_terminated(run.info.run_id, "KILLED")
         killed.append(run.info.run_id)
     return killed
 

@@ -1,0 +1,105 @@
+"""`paperline list` in well under a second: titles read from the paper modules' source (importing them all brings in
+torch and every paper's libraries: seconds), verdicts from the tracking store in one query.
+
+The verdict is the latest finished run's tag `claim.verdict` (holds / does not hold / inconclusive), or for runs
+from before verdicts had three values, `claim.holds` (true / false).
+"""
+
+from __future__ import annotations
+
+import ast
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+
+from models import registry
+from tasks import settings
+
+
+@dataclass(frozen=True)
+class Listed:
+    paper: str
+    title: str
+    verdict: str  # "-" when no finished run has one
+    profile: str  # the profile of the run the verdict comes from
+
+
+def title(paper_id: str) -> str | None:
+    """`PAPER = Paper(..., title="...")` read from the module's source, without importing it; None for a module
+    that defines no paper."""
+    source = registry.module_file(paper_id).read_text()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Paper":
+            for kw in node.keywords:
+                if kw.arg == "title" and isinstance(kw.value, ast.Constant):
+                    return str(kw.value.value)
+            return registry.get(paper_id).title  # a title computed at import: ask the module
+    return None
+
+
+def verdict_of(tags: dict[str, str]) -> str:
+    if tags.get("claim.verdict"):
+        return tags["claim.verdict"]
+    holds = tags.get("claim.holds")
+    return "-" if holds is None else ("holds" if holds == "true" else "does not hold")
+
+
+def latest_verdicts() -> dict[str, tuple[str, str]]:
+    """paper id -> (verdict, profile) of its latest finished run that has a verdict."""
+    uri = settings.tracking_uri()
+    if uri.startswith("sqlite:///"):
+        path = Path(uri.removeprefix("sqlite:///"))
+        return _from_sqlite(path) if path.exists() else {}
+    return _from_client()
+
+
+# MLflow's own tables (experiments, runs, tags), read-only: importing mlflow alone takes ~2 s
+_LATEST = """
+SELECT e.name, r.run_uuid, t.key, t.value FROM runs r
+JOIN experiments e ON e.experiment_id = r.experiment_id
+JOIN tags t ON t.run_uuid = r.run_uuid
+WHERE e.name LIKE 'paperline/%' AND e.lifecycle_stage = 'active' AND r.lifecycle_stage = 'active'
+  AND r.status = 'FINISHED' AND t.key IN ('claim.verdict', 'claim.holds', 'paperline.profile')
+ORDER BY r.start_time DESC, r.run_uuid
+"""
+
+
+def _from_sqlite(path: Path) -> dict[str, tuple[str, str]]:
+    try:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10) as db:
+            rows = db.execute(_LATEST).fetchall()
+    except sqlite3.DatabaseError:  # an older or newer schema: ask MLflow
+        return _from_client()
+    runs: dict[str, tuple[str, dict[str, str]]] = {}
+    order: list[str] = []
+    for name, run_id, key, value in rows:
+        if run_id not in runs:
+            runs[run_id] = (name.removeprefix("paperline/"), {})
+            order.append(run_id)
+        runs[run_id][1][key] = value
+    out: dict[str, tuple[str, str]] = {}
+    for run_id in order:  # newest first
+        paper, tags = runs[run_id]
+        if paper not in out and verdict_of(tags) != "-":
+            out[paper] = (verdict_of(tags), tags.get("paperline.profile", ""))
+    return out
+
+
+def _from_client() -> dict[str, tuple[str, str]]:
+    from tasks import tracking
+
+    c, out = tracking.client(), {}
+    for exp in c.search_experiments(filter_string="name LIKE 'paperline/%'"):
+        for run in c.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'",
+                                 order_by=["attributes.start_time DESC"], max_results=20):
+            verdict = verdict_of(run.data.tags)
+            if verdict != "-":
+                out[exp.name.removeprefix("paperline/")] = (verdict, run.data.tags.get("paperline.profile", ""))
+                break
+    return out
+
+
+def listing() -> list[Listed]:
+    verdicts = latest_verdicts()
+    titles = {pid: title(pid) for pid in registry.paper_ids()}
+    return [Listed(pid, t, *verdicts.get(pid, ("-", ""))) for pid, t in titles.items() if t is not None]
