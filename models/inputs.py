@@ -35,7 +35,6 @@ SYNTHETIC: dict[str, str] = {
     "icl_bayes_gap": "synthetic by the spec: the paper's setting is in-context regression on drawn tasks",
     "induction_smoothing": "synthetic by the spec: Markov-chain sequences drawn in prepare",
     "opo_cmdp": "synthetic by the spec: random tabular constrained MDPs",
-    "wash": "synthetic by the spec: the watermarked providers are small LMs trained in the pipeline",
     "repa_p": "synthetic by the spec: Darcy flow and electrostatics fields solved in prepare (the PIDM Darcy, "
               "channel-flow and topology-optimisation loaders are not wired yet)",
     "tbik": "synthetic by the spec: token streams drawn in prepare; the 1B-class checkpoint of the paper is not wired",
@@ -43,12 +42,10 @@ SYNTHETIC: dict[str, str] = {
                               "(RULER / LongBench on Llama-3.1-8B are not wired)",
     "sslogic": "synthetic by the spec: logic-puzzle families generated in prepare (SynLogic / KORBench loaders "
                "exist but the full profile does not read them)",
-    "async_rag": "synthetic entities and questions (HotpotQA / 2Wiki / MuSiQue loaders exist; their data is not "
-                 "declared as an input yet)",
     "eralign": "synthetic by the spec: 5 generated graphs with swept homophily",
     "guda": "synthetic digit and style groups (the spec's CIFAR-10 stage is not wired into the full profile yet)",
-    "pb_sac": "simulators: gymnasium classic-control tasks, packaged with gymnasium (NOT the paper's MuJoCo tasks: "
-              "the mujoco package is not a project dependency, so the full profile runs classic control only)",
+    "pb_sac": "simulators: gymnasium classic control and MuJoCo (Hopper, HalfCheetah, Walker2d), both packaged: "
+              "nothing to download",
     "doit": "simulators: gymnasium classic-control tasks (the D4RL HDF5 loader is tested; the D4RL MuJoCo sets are "
             "not declared as inputs yet)",
     "mint": "synthetic gridworlds in the spirit of MiniGrid (NOT the minigrid package the spec names: it is not a "
@@ -56,10 +53,6 @@ SYNTHETIC: dict[str, str] = {
     "dila": "synthetic sprite videos (NOT BridgeData V2: the per-trajectory JPEG loader is not written yet)",
     "pacer": "synthetic SEM graphs (NOT Sachs / Perturb-seq: the per-condition CSV loader exists but is not wired "
              "into the full profile)",
-    "perturbed_vae": "synthetic perturbation responses (NOT Norman et al. 2019: the 10x mtx loader exists but is "
-                     "not wired into the full profile)",
-    "qubo_relax": "synthetic knapsack, open-pit and TSP instances (NOT MineLib / TSPLIB: the TSPLIB loader exists "
-                  "but is not wired into the full profile)",
     "vfm_forecast": "synthetic moving-object videos (NOT Cityscapes with DINOv2: no Cityscapes loader is written)",
     "causal_forcing": "synthetic latent clips (the Self Forcing ODE-pair loader exists but Wan2.1 latents are not "
                       "declared as an input)",

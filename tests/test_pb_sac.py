@@ -93,3 +93,19 @@ def test_replay_resume_reproduces_the_chain_exactly():
     assert int(full.state["episode"][-1]) == 4 and full.state["end"].sum() == 4
     steps, returns = full.episode_returns()
     assert list(steps) == [7, 14, 21, 28] and np.allclose(returns[0], full.state["r"][:7].sum().item())
+
+
+def test_mujoco_task_replay_resumes_mid_episode():
+    """Full profile: MuJoCo (gymnasium's Hopper, the `mujoco` package) through the same resumable replay."""
+    def act(obs, row, g):
+        return (torch.rand(3, generator=g) * 2 - 1).numpy()
+
+    a = pb_sac.SimReplay("Hopper-v5", 40, seed=1)
+    a.collect(40, act)
+    b = pb_sac.SimReplay("Hopper-v5", 40, seed=1)
+    for k in b.state:  # a checkpoint taken after 20 rows, mid-episode
+        b.state[k][:20] = a.state[k][:20]
+    b.collect(40, act)
+    for k in a.state:
+        assert torch.allclose(a.state[k], b.state[k], atol=1e-6, equal_nan=True), k
+    assert a.state["sim"].shape[1] == 6 + 6  # Hopper: qpos (6) + qvel (6)
