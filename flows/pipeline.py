@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -102,7 +102,9 @@ def _run(request: RunRequest, force: bool, start: float) -> dict:
     client = tracking.client()
     run_id = _open_run(request, exp_id, key, data_hash, prepared, force)
     try:
-        done = [_replicate(spec, request, i, prepared[i], run_id, exp_id) for i in range(count)]
+        with ThreadPoolExecutor(1, thread_name_prefix=f"evaluate-{paper}") as evaluator:
+            pending = [_replicate(spec, request, i, prepared[i], run_id, exp_id, evaluator) for i in range(count)]
+            done = [future.result() for future in pending]
         t_conclude = time.perf_counter()
         runs = settings.runs_dir() / paper
         claim = conclude(spec, run_id, [d.metrics for d in done], runs / run_id, runs / done[0].run_id)
@@ -178,18 +180,22 @@ class ReplicateDone:
     seconds: float
 
 
-def _replicate(spec, request: RunRequest, index: int, prepared, parent_id: str, exp_id: str) -> ReplicateDone:
+def _replicate(spec, request: RunRequest, index: int, prepared, parent_id: str, exp_id: str,
+               evaluator: ThreadPoolExecutor) -> Future[ReplicateDone]:
     """Replicate `index` as a child run of the pipeline's run: kept when it finished, continued from its
-    checkpoints when it was killed, otherwise trained and evaluated."""
-    paper, client, start = request.paper, tracking.client(), time.perf_counter()
+    checkpoints when it was killed, otherwise trained; its evaluation goes to `evaluator` (one thread), so it runs
+    while the next replicate trains."""
+    paper, client = request.paper, tracking.client()
     rep = request.replicate(index)
     label = f"{paper} r{index}"
     key = tracking.run_key(paper, request.profile, rep.raw, prepared.data_hash)
     earlier = tracking.find_replicate(exp_id, parent_id, index, key)
     if earlier is not None and earlier.info.status == "FINISHED":
         _say(f"[{label}] finished earlier in this run: kept")
-        return ReplicateDone(earlier.info.run_id, recorded_metrics(earlier, settings.runs_dir() / paper /
-                                                                   earlier.info.run_id), 0.0)
+        kept: Future[ReplicateDone] = Future()
+        kept.set_result(ReplicateDone(earlier.info.run_id, recorded_metrics(
+            earlier, settings.runs_dir() / paper / earlier.info.run_id), 0.0))
+        return kept
     if earlier is not None:
         child_id = earlier.info.run_id
         client.update_run(child_id, status="RUNNING")
@@ -204,12 +210,13 @@ def _replicate(spec, request: RunRequest, index: int, prepared, parent_id: str, 
         child_id = client.create_run(exp_id, run_name=tags["mlflow.runName"], tags=tags).info.run_id
         client.log_batch(child_id, params=[Param(k, v[:6000]) for k, v in
                                            tracking.flatten(rep.params.model_dump(mode="json")).items()])
-    try:
-        out_dir = settings.runs_dir() / paper / child_id
+    out_dir = settings.runs_dir() / paper / child_id
+    with _failing(child_id):
         _say(f"[{label}] train: {rep.params.ranks} DeepSpeed rank(s), seed {rep.params.seed}, MLflow run {child_id}")
         job = TrainJob(paper, rep.params, prepared.stage.out_dir, out_dir, child_id, settings.tracking_uri())
         t_train = time.perf_counter()
         train_task.with_options(task_run_name=f"train {label}")(job)
+        trained_s = time.perf_counter() - t_train
         if index + 1 < request.replicates:
             train.prestart(paper, request.params)  # the next replicate's ranks warm up while this one evaluates
         elif (next_up := _after_training.get()) is not None:
@@ -217,21 +224,33 @@ def _replicate(spec, request: RunRequest, index: int, prepared, parent_id: str, 
         sent = send_pending(client, child_id, out_dir)  # what the ranks could not send while tracking was down
         if sent:
             _say(f"[{label}] sent {sent} metrics held back while the tracking server was unreachable")
-        t_eval = time.perf_counter()
-        _say(f"[{label}] evaluate: method and baselines")
-        metrics = evaluate_task.with_options(task_run_name=f"evaluate {label}")(
-            spec, rep.params, prepared.stage.out_dir, out_dir, child_id)
-        now = time.perf_counter()
-        for name, seconds in (("train", t_eval - t_train), ("evaluate", now - t_eval)):
-            client.log_metric(child_id, f"time/{name}_s", seconds, step=0)
-        client.set_terminated(child_id, RunStatus.to_string(RunStatus.FINISHED))
+
+    def evaluate() -> ReplicateDone:
+        with _failing(child_id):
+            t_eval = time.perf_counter()
+            _say(f"[{label}] evaluate: method and baselines")
+            metrics = evaluate_task.with_options(task_run_name=f"evaluate {label}")(
+                spec, rep.params, prepared.stage.out_dir, out_dir, child_id)
+            evaluated_s = time.perf_counter() - t_eval
+            for name, seconds in (("train", trained_s), ("evaluate", evaluated_s)):
+                client.log_metric(child_id, f"time/{name}_s", seconds, step=0)
+            client.set_terminated(child_id, RunStatus.to_string(RunStatus.FINISHED))
+        return ReplicateDone(child_id, metrics, trained_s + evaluated_s)
+
+    return evaluator.submit(contextvars.copy_context().run, evaluate)  # in this flow run's context
+
+
+@contextlib.contextmanager
+def _failing(child_id: str):
+    """Mark the replicate's run FAILED when what it wraps raises (the parent's handler says what to do next)."""
+    try:
+        yield
     except BaseException:
         try:
-            client.set_terminated(child_id, RunStatus.to_string(RunStatus.FAILED))
-        except Exception:  # noqa: BLE001 - tracking down: the parent's handler says what to do
+            tracking.client().set_terminated(child_id, RunStatus.to_string(RunStatus.FAILED))
+        except Exception:  # noqa: BLE001 - tracking down: the next start marks the run KILLED
             pass
         raise
-    return ReplicateDone(child_id, metrics, time.perf_counter() - start)
 
 
 @task(name="promote")
