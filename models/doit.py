@@ -33,8 +33,9 @@ Deviations from the paper (choices the abstract left open):
 - Best-of-N and SVDD draw the kept sample from softmax(r / alpha) (IDQL's resampling; SVDD's soft value), DOIT uses
   the spec's standardised weights; the quantised-reward gradient baseline is absent (n/a, not differentiable).
 - The "each environment" claim is the mean score over environments plus `method/min_env_margin > 0` (the smallest
-  per-environment gap to the best baseline). The D4RL loader needs h5py, which is not installed here; its test skips.
-  MuJoCo evaluation also needs the `mujoco` package (not installed).
+  per-environment gap to the best baseline).
+- Full profile: D4RL's MuJoCo medium sets (v2 data) evaluated in gymnasium's v5 tasks (same observation and action
+  spaces; the `mujoco` package simulates offline), normalised with D4RL's reference returns.
 - Smoke uses gamma 0.9 and a Polyak rate 0.05 for IQL (full: 0.99 / 0.005): with gamma 0.99, 800 steps left Q flat
   across actions (std 0.02 per state), so every reward-guided method only saw noise.
 """
@@ -54,6 +55,7 @@ from torch import nn
 from models.common.rl import env_dims, run_episodes
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
+from models.inputs import input_path
 
 # D4RL's reference returns (random, expert) that its normalised score uses, by gymnasium task family
 D4RL_REFS = {"hopper": (-20.272305, 3234.3), "halfcheetah": (-280.178953, 12135.0), "walker2d": (1.629008, 4592.3)}
@@ -157,7 +159,7 @@ def toy_mixture(n: int, seed: int) -> np.ndarray:
 def prepare(p: Params, out_dir: Path) -> None:
     cols: dict[str, list] = {}
     refs: dict[str, list] = {"env": [], "obs_dim": [], "act_dim": [], "random_return": [], "expert_return": []}
-    datasets = {e: load_d4rl(p.d4rl[e]) if e in p.d4rl else _generate(e, p, k)
+    datasets = {e: load_d4rl(input_path(p.d4rl[e])) if e in p.d4rl else _generate(e, p, k)
                 for k, e in enumerate([*p.envs, *p.d4rl])}
     # per-dimension columns s_0.., zero-padded to the widest task (refs holds each task's own dimensions)
     width_s, width_a = (max(d[key].shape[1] for d in datasets.values()) for key in "sa")

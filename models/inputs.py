@@ -46,8 +46,6 @@ SYNTHETIC: dict[str, str] = {
     "guda": "synthetic digit and style groups (the spec's CIFAR-10 stage is not wired into the full profile yet)",
     "pb_sac": "simulators: gymnasium classic control and MuJoCo (Hopper, HalfCheetah, Walker2d), both packaged: "
               "nothing to download",
-    "doit": "simulators: gymnasium classic-control tasks (the D4RL HDF5 loader is tested; the D4RL MuJoCo sets are "
-            "not declared as inputs yet)",
     "mint": "synthetic gridworlds in the spirit of MiniGrid (NOT the minigrid package the spec names: it is not a "
             "project dependency; Atari Pac-Man and Isaac are out of scope)",
     "dila": "synthetic sprite videos (NOT BridgeData V2: the per-trajectory JPEG loader is not written yet)",

@@ -3,8 +3,8 @@ the likelihood-ratio gradient, the weights, the counted evaluations, the data an
 
 from __future__ import annotations
 
+import h5py
 import numpy as np
-import pytest
 import torch
 
 from models import doit
@@ -141,7 +141,6 @@ def test_prepare_mixes_random_and_controller_episodes(tmp_path):
 
 
 def test_d4rl_loader_on_tiny_fixture(tmp_path):
-    h5py = pytest.importorskip("h5py")
     path = tmp_path / "tiny.hdf5"
     obs = np.arange(12, dtype=np.float32).reshape(6, 2)
     with h5py.File(path, "w") as f:
