@@ -6,8 +6,9 @@
 # The step times and outcomes are added to the same JSON under "gpu_sh".
 #
 #   benchmarks/gpu.sh               # on a machine with a CUDA GPU (falls back to --cpu-check without one)
-#   benchmarks/gpu.sh --cpu-check   # the CPU-safe parts: kernel tests interpreted, kernels.py --quick,
-#                                   # the smoke command printed, not run; writes nothing under benchmarks/results/
+#   benchmarks/gpu.sh --cpu-check   # the CPU-safe parts: kernel tests interpreted, kernels.py --quick, the kernels
+#                                   # compiled for sm_90 without a GPU (kernels.py --aot), the smoke command
+#                                   # printed, not run; writes nothing under benchmarks/results/
 #
 # Step limits (seconds) can be changed: TESTS_S (default 150), BENCH_S (210), SMOKE_S (110). PY picks the Python.
 set -uo pipefail
@@ -25,13 +26,20 @@ fi
 
 if [[ $mode == cpu ]]; then
     set -e
-    echo "== 1/3 kernel tests, interpreted (TRITON_INTERPRET=1); the gpu-marked ones are skipped without CUDA"
+    echo "== 1/4 kernel tests, interpreted (TRITON_INTERPRET=1); the gpu-marked ones are skipped without CUDA"
     "$PY" -m pytest -q -p no:cacheprovider -rs "${KERNEL_TESTS[@]}"
-    echo "== 2/3 benchmarks/kernels.py --quick (PyTorch paths, tiny sizes)"
+    echo "== 2/4 benchmarks/kernels.py --quick (PyTorch paths, tiny sizes)"
     out=$(mktemp -d)/kernels-cpu-check.json
     "$PY" benchmarks/kernels.py --quick --out "$out" > /dev/null
     "$PY" -c "import json, sys; d = json.load(open(sys.argv[1])); print({k: len(v) for k, v in d.items() if isinstance(v, list)})" "$out"
-    echo "== 3/3 smoke profiles (GPU only; would run): $PY -m flows.cli run ${SMOKE[*]} --profile smoke --force --parallel 3"
+    echo "== 3/4 kernels compiled ahead of time for sm_90 (Triton + ptxas, no GPU): registers and spills"
+    "$PY" benchmarks/kernels.py --aot 2>&1 | grep -v -i warn | "$PY" -c "
+import ast, sys
+for line in sys.stdin:
+    r = ast.literal_eval(line) if line.startswith('{') else None
+    if r: print(r['kernel'], {k: v for k, v in r['config'].items() if k in ('BM', 'BN', 'num_warps')},
+                'ok' if r['ok'] else r['error'], r.get('registers'), 'regs', r.get('spill_bytes'), 'B spilled')"
+    echo "== 4/4 smoke profiles (GPU only; would run): $PY -m flows.cli run ${SMOKE[*]} --profile smoke --force --parallel 3"
     echo "gpu.sh --cpu-check: ok"
     exit 0
 fi

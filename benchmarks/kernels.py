@@ -4,6 +4,8 @@
                                             # CPU: the same comparisons at small sizes, PyTorch paths only
     python benchmarks/kernels.py --quick    # a seconds-long check that the script runs (benchmarks/gpu.sh --cpu-check)
     python benchmarks/kernels.py --out PATH # results elsewhere than benchmarks/results/kernels-<device>.json
+    python benchmarks/kernels.py --aot      # no GPU needed: compile every kernel for sm_90 (Triton + ptxas) and
+                                            # report registers and spills per config
 
 - TBIK: `tbik_matmul` (one pass per shard; TP 1 and TP 8 simulated in one launch) and `naive_tp_matmul` vs
   `torch.matmul` (cuBLAS) in bf16 at 4096-8192 LLM shapes, plus TFLOP/s (the paper: batch-invariant kernels cost
@@ -30,6 +32,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--aot" in sys.argv:  # compile for a GPU target, not interpret (the kernels modules read this when imported)
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "0"
 
 from kernels import tbik as K  # noqa: E402
 from kernels import token_sparse as T  # noqa: E402
@@ -133,6 +139,65 @@ def bench_window_attention(quick: bool) -> list[dict]:
     return rows
 
 
+def aot(arch: int = 90) -> list[dict]:
+    """Compile each kernel ahead of time for sm_<arch> (bf16; every TBIK tile config, the first config of the
+    others) and read registers / spill bytes from the cubin: a GPU-free check that the kernels compile and fit."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    rows = []
+
+    def compile_one(name, fn, sig, consts, cfg):
+        t0 = time.perf_counter()
+        row = {"kernel": name, "config": {**consts, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}}
+        try:
+            k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32),
+                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+            with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+                f.write(k.asm["cubin"])
+            use = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
+            os.unlink(f.name)
+            m = re.search(r"REG:(\d+) STACK:(\d+)", use)
+            row.update(ok=True, registers=int(m[1]) if m else None, spill_bytes=int(m[2]) if m else None,
+                       wgmma="wgmma" in k.asm["ptx"], shared_bytes=k.metadata.shared)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+        row["compile_s"] = round(time.perf_counter() - t0, 2)
+        rows.append(row)
+        print(row, flush=True)
+
+    i32, c = "i32", "constexpr"
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "M": i32, "N": i32, "seg_len": i32,
+           "n_leaves": i32, "n_segments": i32, "stride_xm": i32, "stride_xk": i32, "stride_wk": i32, "stride_wn": i32,
+           "BM": c, "BN": c, "BK_": c, "UPCAST": c, "DEPTH": c, "SDEPTH": c, "GROUP_M": c}
+    for cfg in K.MATMUL_CONFIGS:  # K = 8192 at TP 1: 16 leaves a segment, 16 segments (the most slots)
+        compile_one("tbik_shard_matmul", K._shard_matmul_kernel.fn, sig,
+                    {**cfg.kwargs, "BK_": K.BK, "UPCAST": False, "DEPTH": 5, "SDEPTH": 5, "GROUP_M": 8}, cfg)
+    qkv = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16"}
+    tables = {"tok_ptr": "*i32", "dst_ptr": "*i32", "gid_ptr": "*i32", "lo_ptr": "*i32", "hi_ptr": "*i32",
+              "N": i32, "T": i32, "D": i32, "KS": i32, "scale": "fp32", "BM": c, "BN": c, "BD": c, "UPCAST": c}
+    grads = {"do_ptr": "*bf16", "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
+    cfg = WA.CONFIGS[0]
+    consts = {"BM": 64, **cfg.kwargs, "BD": 64, "UPCAST": False}
+    compile_one("window_fwd", WA._window_fwd_kernel.fn, {**qkv, "o_ptr": "*fp32", "lse_ptr": "*fp32", **tables},
+                consts, cfg)
+    compile_one("window_bwd_dq", WA._window_bwd_dq_kernel.fn, {**qkv, **grads, "dq_ptr": "*fp32", **tables},
+                consts, cfg)
+    compile_one("window_bwd_dkdv", WA._window_bwd_dkdv_kernel.fn,
+                {**qkv, **grads, "dk_ptr": "*fp32", "dv_ptr": "*fp32", **tables}, consts, cfg)
+    cfg = T.CONFIGS[0]
+    for name, fn, src in (("gather", T._gather_kernel.fn, "x_ptr"), ("scatter", T._scatter_kernel.fn, "y_ptr")):
+        compile_one(name, fn, {src: "*bf16", "idx_ptr": "*i64", "out_ptr": "*bf16", "L": i32, "n": i32,
+                               "n_bucket": i32, "D": i32, "BN": c, "BD": c}, {**cfg.kwargs, "BD": 128}, cfg)
+    return rows
+
+
 def device_slug() -> str:
     name = torch.cuda.get_device_name() if GPU else "cpu"
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
@@ -142,7 +207,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes: check that the script runs")
     ap.add_argument("--out", type=Path, help="results file (default benchmarks/results/kernels-<device>.json)")
+    ap.add_argument("--aot", action="store_true", help="no GPU needed: compile the kernels for sm_90, report")
     args = ap.parse_args()
+    if args.aot:
+        rows = aot()
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"aot_sm90": rows}, indent=1))
+        sys.exit(0 if all(r["ok"] for r in rows) else 1)
     out = {"device": torch.cuda.get_device_name() if GPU else platform.processor() or "cpu", "gpu": GPU,
            "quick": args.quick, "torch": torch.__version__,
            "tbik": bench_tbik(args.quick), "token_sparse": bench_token_sparse(args.quick),
