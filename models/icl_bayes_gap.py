@@ -30,6 +30,7 @@ Deviations from the paper (choices the abstract left open):
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from scipy.special import logsumexp
 from torch import nn
+from torch.nn import functional as F
 
 from models.common.tables import read_table
 from models.contract import Claim, Compare, Paper, PaperParams
@@ -96,32 +98,59 @@ def sample_prompts(types: dict, count: int, pairs: int, rng: np.random.Generator
     return {"type": k, "w": w, "x": x, "y": y}
 
 
-def _write(path: Path, cols: dict[str, list | np.ndarray]) -> None:
-    """Like tables.write_table, but list columns may vary in length across rows (x of different N)."""
+def sample_prompt_blocks(types: dict, count: int, pairs: int, rng: np.random.Generator, block: int = 16384):
+    """`sample_prompts(types, count, pairs, rng)` a block of prompts at a time, with the same numbers: every array is
+    drawn from the same stream in the same order (x from a copy of the generator, the noise from where x ends), so
+    the full profile's pools (2^20 prompts of up to 129 pairs) never sit in memory whole."""
+    d = types["mu"].shape[1]
+    k = rng.choice(len(types["pi"]), size=count, p=types["pi"])
+    w = types["mu"][k] + types["tau"][k, None] * rng.standard_normal((count, d))  # (P, d)
+    x_rng = copy.deepcopy(rng)
+    for i in range(0, count, block):  # step over x: the observation noise follows it in the stream
+        rng.standard_normal((min(block, count - i), pairs + 1, d))
+    for i in range(0, count, block):
+        rows = slice(i, min(i + block, count))
+        x = x_rng.standard_normal((rows.stop - i, pairs + 1, d))  # (b, n+1, d)
+        y = np.einsum("pnd,pd->pn", x, w[rows]) + types["sigma"][k[rows], None] * rng.standard_normal(
+            (rows.stop - i, pairs + 1))
+        yield {"type": k[rows], "w": w[rows], "x": x, "y": y}
+
+
+def _table(cols: dict[str, list | np.ndarray]) -> pa.Table:
+    """List columns may vary in length across rows (x of different N); an array of rows has one length."""
     def column(v):
+        if isinstance(v, np.ndarray) and v.ndim >= 2:
+            flat = v.reshape(len(v), -1)
+            offsets = (np.arange(len(v) + 1) * flat.shape[1]).astype(np.int32)
+            return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.ravel().astype(np.float64)))
         if not isinstance(v, list):
             return pa.array(v)
         flat = [np.asarray(r, dtype=np.float64).ravel() for r in v]
         offsets = np.concatenate([[0], np.cumsum([len(r) for r in flat])]).astype(np.int32)
         return pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(flat)))
 
-    pq.write_table(pa.table({c: column(v) for c, v in cols.items()}), path)
+    return pa.table({c: column(v) for c, v in cols.items()})
+
+
+def _write(path: Path, cols: dict[str, list | np.ndarray]) -> None:
+    pq.write_table(_table(cols), path)
 
 
 def prepare(p: Params, out_dir: Path) -> None:
     types = type_table(p)
     _write(out_dir / "task_types.parquet", {**types, "mu": list(types["mu"])})
-    train: dict[str, list] = {c: [] for c in ("prompt_id", "M_bucket", "N", "type", "w", "x", "y")}
-    for n in p.train_N:  # one nested pool per N: the model with M prompts uses the first M
-        s = sample_prompts(types, max(p.train_M), n, np.random.default_rng([p.seed, 1, n]))
-        bucket = np.array([min(m for m in p.train_M if i < m) for i in range(max(p.train_M))])
-        train["prompt_id"] += list(range(len(bucket)))
-        train["M_bucket"] += list(bucket)
-        train["N"] += [n] * len(bucket)
-        for c in ("type", "w", "x", "y"):
-            train[c] += list(s[c])
-    _write(out_dir / "prompts_train.parquet", {c: (np.asarray(v) if c in ("prompt_id", "M_bucket", "N", "type")
-                                                   else v) for c, v in train.items()})
+    sizes = np.sort(p.train_M)
+    writer = None
+    for n in p.train_N:  # one nested pool per N: the model with M prompts uses the first M; one row group a block
+        start = 0
+        for s in sample_prompt_blocks(types, max(p.train_M), n, np.random.default_rng([p.seed, 1, n])):
+            ids = np.arange(start, start + len(s["type"]))
+            start += len(ids)
+            part = _table({"prompt_id": ids, "M_bucket": sizes[np.searchsorted(sizes, ids, side="right")],
+                           "N": np.full(len(ids), n), **s})
+            writer = writer or pq.ParquetWriter(out_dir / "prompts_train.parquet", part.schema)
+            writer.write_table(part)
+    writer.close()
     s = sample_prompts(types, p.n_mc, p.n_test_max, np.random.default_rng([p.seed, 2]))
     _write(out_dir / "prompts_test.parquet", {"prompt_id": np.arange(p.n_mc), "n": np.full(p.n_mc, p.n_test_max),
                                               "type": s["type"], "w": list(s["w"]), "x": list(s["x"]),
@@ -133,6 +162,27 @@ def load_prompts(path: Path, d: int) -> dict[str, np.ndarray]:
     x = [np.asarray(r, dtype=np.float64).reshape(-1, d) for r in t["x"]]
     return {**{c: t[c] for c in t if c not in ("x", "y", "w")}, "x": x,
             "y": [np.asarray(r, dtype=np.float64) for r in t["y"]]}
+
+
+def load_pools(path: Path, d: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per N, the pool as model inputs: tokens (P, N+1, d+2) float32 and query targets (P,), filled a row group at a
+    time (one float32 copy per N; the models of every M share it, each sampling from its first M prompts)."""
+    f = pq.ParquetFile(path)
+    ns = f.read(columns=["N"]).column(0).to_numpy()
+    out = {int(n): (torch.empty(int((ns == n).sum()), int(n) + 1, d + 2), torch.empty(int((ns == n).sum())))
+           for n in np.unique(ns)}
+    filled = dict.fromkeys(out, 0)
+    for batch in f.iter_batches(columns=["N", "x", "y"]):
+        n_col = batch.column(0).to_numpy()
+        for n in np.unique(n_col):
+            n, sel = int(n), pa.array(n_col == n)
+            x = batch.column(1).filter(sel).flatten().to_numpy().reshape(-1, n + 1, d)  # (b, n+1, d)
+            y = batch.column(2).filter(sel).flatten().to_numpy().reshape(-1, n + 1)  # (b, n+1)
+            rows = slice(filled[n], filled[n] + len(x))
+            out[n][0][rows] = make_tokens(x, y, n, n)[0]
+            out[n][1][rows] = torch.from_numpy(y[:, -1].astype(np.float32))
+            filled[n] = rows.stop
+    return out
 
 
 # ---- the exact reference: Gaussian posteriors and the Bayes-optimal predictor --------------------------------
@@ -270,20 +320,20 @@ class Models(nn.Module):
 # ---- training ----------------------------------------------------------------------------------------------
 def train(ctx) -> None:
     p: Params = ctx.params
-    t = load_prompts(ctx.data_dir / "prompts_train.parquet", p.d)
-    pools = {n: (np.stack([x for x, nn_ in zip(t["x"], t["N"], strict=True) if nn_ == n]),
-                 np.stack([y for y, nn_ in zip(t["y"], t["N"], strict=True) if nn_ == n])) for n in p.train_N}
+    pools = load_pools(ctx.data_dir / "prompts_train.parquet", p.d)
     model = Models(p)
     groups, lmax = model.data_groups, max(p.train_N)
-    tok = {(m, n): make_tokens(pools[n][0][:m], pools[n][1][:m], n, lmax) for m, n in groups}
-    target = {(m, n): torch.from_numpy(pools[n][1][:m, -1].astype(np.float32)) for m, n in groups}
+    mask = torch.zeros(len(groups), lmax + 1, dtype=torch.bool)  # (G, L+1): the context tokens of each group
+    for i, (_, n) in enumerate(groups):
+        mask[i, 1 : n + 1] = True
 
     def batch_fn(step: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(p.seed * 100_003 + step)
         idx = [torch.randint(0, m, (p.batch_size,), generator=g) for m, _ in groups]  # with replacement from M
-        return {"tokens": torch.stack([tok[k][0][i] for k, i in zip(groups, idx, strict=True)], 1),
-                "mask": torch.stack([tok[k][1][i] for k, i in zip(groups, idx, strict=True)], 1),
-                "y": torch.stack([target[k][i] for k, i in zip(groups, idx, strict=True)], 1)}  # (B, G)
+        return {"tokens": torch.stack([F.pad(pools[n][0][i], (0, 0, 0, lmax - n))  # (B, L+1, d+2), zero padded
+                                       for (_, n), i in zip(groups, idx, strict=True)], 1),
+                "mask": mask[None].expand(p.batch_size, -1, -1).clone(),
+                "y": torch.stack([pools[n][1][i] for (_, n), i in zip(groups, idx, strict=True)], 1)}  # (B, G)
 
     def step_fn(engine, batch, step):
         pred = engine(batch["tokens"], batch["mask"])  # (B, 2G)

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import Field
 
-from models.common.tables import read_table, write_table
+from models.common.tables import TableWriter, read_table
 from models.contract import Claim, Compare, Paper, PaperParams
 
 ALGOS = ("opo", "greedy", "eps_greedy", "layerwise")
@@ -67,32 +67,26 @@ def make_classes(p: Params, n_s: int, n_a: int, rng: np.random.Generator) -> tup
 
 def prepare(p: Params, out_dir: Path) -> None:
     """classes.parquet: one row per (seed, grid point, class, member, h, s, a[, next state]) with its d-dim weight
-    vector, written in C order so that a reshape recovers the arrays; contexts.parquet: the i.i.d. contexts."""
-    cols: dict[str, list] = {k: [] for k in ("seed", "grid", "class", "member_id", "h", "s", "a", "next_state",
-                                             "weights", "is_true")}
-    ctx_rows: dict[str, list] = {"seed": [], "grid": [], "episode": [], **{f"c_{i + 1}": [] for i in range(p.d)}}
-    for r in range(p.seeds):
-        for gi, (n_s, n_a) in enumerate(p.grid):
-            rng = np.random.default_rng([p.seed, r, gi])
-            w, u, f_true, p_true = make_classes(p, n_s, n_a, rng)
-            for cls, arr, true in (("f", w, f_true), ("p", u, p_true)):
-                idx = np.indices(arr.shape[:-1]).reshape(arr.ndim - 1, -1)  # (member, h, s, a[, s'])
-                cols["seed"] += [r] * idx.shape[1]
-                cols["grid"] += [gi] * idx.shape[1]
-                cols["class"] += [cls] * idx.shape[1]
-                for k, name in enumerate(("member_id", "h", "s", "a")):
-                    cols[name] += list(idx[k])
-                cols["next_state"] += list(idx[4]) if cls == "p" else [-1] * idx.shape[1]
-                cols["weights"] += list(arr.reshape(-1, p.d))
-                cols["is_true"] += list(idx[0] == true)
-            c = rng.normal(0, 1, (p.episodes, p.d)) / np.sqrt(p.d)  # i.i.d. contexts
-            ctx_rows["seed"] += [r] * p.episodes
-            ctx_rows["grid"] += [gi] * p.episodes
-            ctx_rows["episode"] += list(range(p.episodes))
-            for i in range(p.d):
-                ctx_rows[f"c_{i + 1}"] += list(c[:, i])
-    write_table(out_dir / "classes.parquet", {k: np.asarray(v) for k, v in cols.items()})
-    write_table(out_dir / "contexts.parquet", ctx_rows)
+    vector, written in C order so that a reshape recovers the arrays; contexts.parquet: the i.i.d. contexts.
+    One row group per (seed, grid point), built from arrays (the full profile has 2.6e8 class rows: as Python
+    lists they took hundreds of GB), so memory holds one grid point at a time and `_load` reads only its own."""
+    with TableWriter(out_dir / "classes.parquet") as classes, TableWriter(out_dir / "contexts.parquet") as contexts:
+        for r in range(p.seeds):
+            for gi, (n_s, n_a) in enumerate(p.grid):
+                rng = np.random.default_rng([p.seed, r, gi])
+                w, u, f_true, p_true = make_classes(p, n_s, n_a, rng)
+                parts = []
+                for cls, arr, true in (("f", w, f_true), ("p", u, p_true)):
+                    idx = np.indices(arr.shape[:-1]).reshape(arr.ndim - 1, -1)  # (member, h, s, a[, s'])
+                    rows = idx.shape[1]
+                    parts.append({"seed": np.full(rows, r), "grid": np.full(rows, gi), "class": np.full(rows, cls),
+                                  **{name: idx[k] for k, name in enumerate(("member_id", "h", "s", "a"))},
+                                  "next_state": idx[4] if cls == "p" else np.full(rows, -1),
+                                  "weights": arr.reshape(-1, p.d), "is_true": idx[0] == true})
+                classes.write({k: np.concatenate([part[k] for part in parts]) for k in parts[0]})
+                c = rng.normal(0, 1, (p.episodes, p.d)) / np.sqrt(p.d)  # i.i.d. contexts
+                contexts.write({"seed": np.full(p.episodes, r), "grid": np.full(p.episodes, gi),
+                                "episode": np.arange(p.episodes), **{f"c_{i + 1}": c[:, i] for i in range(p.d)}})
 
 
 # ---- the model: values, backward induction, mirror descent -----------------------------------------------------
@@ -208,12 +202,13 @@ def run(p: Params, algo: str, w: np.ndarray, u: np.ndarray, f_true: int, p_true:
 # ---- "train": nothing to learn; the runs are computed once and saved --------------------------------------------
 def _load(data_dir: Path, p: Params, r: int, gi: int):
     n_s, n_a = p.grid[gi]
-    t = read_table(data_dir / "classes.parquet")
+    only = [("seed", "==", r), ("grid", "==", gi)]
+    t = read_table(data_dir / "classes.parquet", filters=only)
     arrays = []
     for cls, shape in (("f", (p.horizon, n_s, n_a, p.d)), ("p", (p.horizon, n_s, n_a, n_s, p.d))):
         sel = (t["seed"] == r) & (t["grid"] == gi) & (t["class"] == cls)
         arrays += [t["weights"][sel].reshape(-1, *shape), int(t["member_id"][sel][t["is_true"][sel]][0])]
-    ctx = read_table(data_dir / "contexts.parquet")
+    ctx = read_table(data_dir / "contexts.parquet", filters=only)
     sel = (ctx["seed"] == r) & (ctx["grid"] == gi)
     return arrays[0], arrays[2], arrays[1], arrays[3], np.stack([ctx[f"c_{i + 1}"][sel] for i in range(p.d)], 1)
 

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 
-def write_table(path: Path, columns: dict[str, np.ndarray | list]) -> None:
+def _arrow(columns: dict[str, np.ndarray | list]) -> pa.Table:
     arrays = {}
     for name, values in columns.items():
         values = np.asarray(values)
@@ -21,11 +21,37 @@ def write_table(path: Path, columns: dict[str, np.ndarray | list]) -> None:
             arrays[name] = pa.FixedSizeListArray.from_arrays(flat, values.shape[1])
         else:
             arrays[name] = pa.array(values)
-    pq.write_table(pa.table(arrays), path)
+    return pa.table(arrays)
 
 
-def read_table(path: Path) -> dict[str, np.ndarray]:
-    table = pq.read_table(path)
+def write_table(path: Path, columns: dict[str, np.ndarray | list]) -> None:
+    pq.write_table(_arrow(columns), path)
+
+
+class TableWriter:
+    """A table written a part at a time (one row group per `write`), for data too large to hold at once; the
+    columns of every part are those of the first. `read_table(path, filters=...)` then reads only matching parts."""
+
+    def __init__(self, path: Path):
+        self.path, self._writer = path, None
+
+    def write(self, columns: dict[str, np.ndarray | list]) -> None:
+        table = _arrow(columns)
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self.path, table.schema)
+        self._writer.write_table(table)
+
+    def __enter__(self) -> TableWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+def read_table(path: Path, filters: list[tuple] | None = None) -> dict[str, np.ndarray]:
+    """Every column as NumPy; `filters` (pyarrow's, e.g. [("seed", "==", 0)]) keeps only matching rows."""
+    table = pq.read_table(path, filters=filters)
     out: dict[str, np.ndarray] = {}
     for name in table.column_names:
         column = table.column(name).combine_chunks()
