@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from models import registry
-from models.inputs import SYNTHETIC, InputStatus, how_to_get, statuses
+from models.inputs import PARTLY_SYNTHETIC, SYNTHETIC, InputStatus, how_to_get, statuses
 
 
 def profile_inputs(paper_id: str, profile: str, params_file: Path) -> list[InputStatus]:
@@ -46,6 +46,8 @@ def describe(paper_id: str, profile: str, params_file: Path) -> str:
         if not s.present or not s.tracked:
             steps = s.how() if not s.present else [f"dvc add {s.spec.path}"]
             lines += [f"    $ {step}" if step.startswith("dvc ") else f"    - {step}" for step in steps]
+    if profile == "full" and paper_id in PARTLY_SYNTHETIC:
+        lines.append(f"  note: {PARTLY_SYNTHETIC[paper_id]}")
     return "\n".join(lines)
 
 
@@ -59,8 +61,10 @@ def table(params_file: Path, profile: str = "full") -> str:
             rows.append(f"| {pid} | - | - | - | {_cell(SYNTHETIC.get(pid, 'no inputs declared'))} |")
         for s in found:
             how = "; ".join(f"`{step}`" if step.startswith("dvc ") else step for step in how_to_get(s.name, s.spec))
-            rows.append(f"| {pid} | {s.name} | `{s.spec.path}` ({s.spec.format}) | {'yes' if s.present else 'no'} "
-                        f"| {_cell(how)} |")
+            rows.append(f"| {pid} | {s.name} | `{s.spec.path}` ({_cell(s.spec.format)}) | "
+                        f"{'yes' if s.present else 'no'} | {_cell(how)} |")
+        if found and profile == "full" and pid in PARTLY_SYNTHETIC:
+            rows.append(f"| {pid} | (note) | - | - | {_cell(PARTLY_SYNTHETIC[pid])} |")
     return "\n".join(rows)
 
 

@@ -21,7 +21,7 @@ What it implements (function names in brackets):
 Deviations from the paper (choices the spec or abstract left open):
 - The VFM is a tiny masked-patch (SimMIM-style: learned mask token, pixel loss on masked patches) ViT on synthetic
   sprites, not DINOv2; the full profile keeps this stand-in at larger width because no DINOv2 weights are installed
-  here (the Cityscapes loader [load_cityscapes] feeds the same tables).
+  here.
 - Raw features are standardised per dimension before every use (probe, PCA, AE, forecasting): a common rescaling
   that changes no information and keeps flow matching in raw space numerically comparable.
 - FD uses the mean-pooled features of all test frames as the real distribution (32 contexts alone give a singular

@@ -70,3 +70,24 @@ def test_detection_scores_rank_a_mislabeled_sample_first():
     scores = sei.detection_scores(stats, cl_confidence=np.array([0.9, 0.1, 0.8]))
     for name, score in scores.items():
         assert score.argmax() == 1, name
+
+
+def test_image_folder_loader_reads_the_isic_layout(tmp_path):
+    """Full profile: JPEGs named by `image`, one-hot class columns (ISIC 2019 ground truth) or a `label` column."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    classes = ("MEL", "NV", "BCC")
+    rows = ["image," + ",".join(classes)]
+    for i in range(6):
+        Image.fromarray(rng.integers(0, 256, (12, 10, 3), dtype=np.uint8)).save(tmp_path / f"ISIC_{i:07d}.jpg")
+        rows.append(f"ISIC_{i:07d}," + ",".join("1.0" if c == i % 3 else "0.0" for c in range(3)))
+    (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
+    x, y, k = sei.load_image_folder(tmp_path, 8)
+    assert x.shape == (6, 64) and x.dtype == np.float32 and 0 <= x.min() and x.max() <= 1
+    assert k == 3 and y.tolist() == [0, 1, 2, 0, 1, 2]
+    expected = np.asarray(Image.open(tmp_path / "ISIC_0000001.jpg").convert("L").resize((8, 8)), np.float32) / 255
+    assert np.allclose(x[1], expected.reshape(-1))
+    (tmp_path / "labels.csv").write_text("image,label\nISIC_0000000.jpg,nevus\nISIC_0000001.jpg,melanoma\n")
+    x, y, k = sei.load_image_folder(tmp_path, 8)  # a label column; file names with their extension
+    assert k == 2 and y.tolist() == [1, 0]

@@ -4,6 +4,7 @@ and the redundancy count."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from models import spectral_schedule as ss
 
@@ -52,3 +53,25 @@ def test_steeper_spectra_get_lower_sigma_min():
 def test_redundancy_counts_levels_outside_each_range():
     sigmas = np.array([80.0, 10.0, 1.0, 0.1, 0.002])
     assert ss.redundancy(sigmas, np.array([0.05, 0.001]), np.array([20.0, 100.0])) == (2 / 5 + 0) / 2
+
+
+def test_cifar10_and_imagenet64_loaders_on_fixtures(tmp_path):
+    """Full profile: CIFAR-10 python pickles (data_batch_*) and downsampled-ImageNet npz, both channel-major."""
+    import pickle
+
+    rng = np.random.default_rng(0)
+    raw = [rng.integers(0, 256, (3, 3072), dtype=np.uint8) for _ in range(2)]
+    for i, data in enumerate(raw, 1):
+        with open(tmp_path / f"data_batch_{i}", "wb") as fh:
+            pickle.dump({b"data": data, b"labels": [0, 1, 2], b"batch_label": b"x"}, fh)
+    with open(tmp_path / "test_batch", "wb") as fh:  # not read: training images only
+        pickle.dump({b"data": raw[0], b"labels": [0, 1, 2]}, fh)
+    x = ss.load_cifar10(tmp_path)
+    assert x.shape == (6, 3, 32, 32) and x.min() >= -1 and x.max() <= 1
+    assert np.allclose(x[4, 2, 0, :4], raw[1][1, 2048:2052] / 127.5 - 1)  # image 1 of batch 2, blue channel, row 0
+    with pytest.raises(FileNotFoundError):
+        ss.load_cifar10(tmp_path / "missing")
+    data = rng.integers(0, 256, (2, 12288), dtype=np.uint8)
+    np.savez(tmp_path / "train_data_batch_1.npz", data=data, labels=np.array([5, 7]))
+    y = ss.load_imagenet64(tmp_path / "train_data_batch_1.npz")
+    assert y.shape == (2, 3, 64, 64) and np.allclose(y[1, 1, 3, 5], data[1, 4096 + 3 * 64 + 5] / 127.5 - 1)
