@@ -353,9 +353,15 @@ def _window_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_
     tl.store(dv_ptr + off, dv, mask=mask)
 
 
-def _layout(groups, n: int, device):
+@lru_cache(maxsize=64)
+def _layout_on(groups: tuple, n: int, device: str):
+    """(BM, slot tables on `device`), cached: a training step calls a layer's layout twice per block and step."""
     bm = _tile_rows(groups)
-    return bm, [t.to(device) for t in _layout_cpu(tuple(groups), n, bm)]
+    return bm, [t.to(device) for t in _layout_cpu(groups, n, bm)]
+
+
+def _layout(groups, n: int, device):
+    return _layout_on(tuple(groups), n, str(torch.device(device)))
 
 
 def _per_kind(x: torch.Tensor, nk: int) -> torch.Tensor:
