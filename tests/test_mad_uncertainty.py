@@ -99,3 +99,17 @@ def test_prepare_views_follow_the_corruption_pattern(tmp_path):
         assert abs(v["corrupted"][sel][on_op].mean() - rate) < 0.12
         seen, truth = v["label_seen"][sel], q["answer"][v["qid"][sel]]
         assert np.array_equal(seen != truth, v["corrupted"][sel])  # a corrupted label is always wrong
+
+
+def test_gsm8k_jsonl_loader_on_a_three_line_fixture(tmp_path):
+    """Full profile: GSM8K's jsonl (question, answer ending '#### n', thousands separators allowed)."""
+    import json
+
+    rows = [{"question": "Ann has 3 apples and buys 4. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
+            {"question": "A farm has 1,200 hens ...", "answer": "...\n#### 1,250"},
+            {"question": "Half of 5?", "answer": "#### 2.5"}]
+    (tmp_path / "test.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    assert mad.load_jsonl(tmp_path / "test.jsonl") == [(rows[0]["question"], 7), (rows[1]["question"], 1250),
+                                                        (rows[2]["question"], 2)]
+    p = mad.Params(dataset="jsonl", jsonl_path=str(tmp_path / "test.jsonl"))
+    assert [a for _, a, _ in mad._questions(p)] == [7, 0, 2]  # the target is the answer's last digit

@@ -92,3 +92,13 @@ def test_generation_lengths_and_scrub():
     text = " ".join(["w"] * 1000)
     scrubbed = wash.scrub([text], ["x"], 0.3, np.random.default_rng(0))[0].split()
     assert 0.25 < scrubbed.count("x") / 1000 < 0.35
+
+
+def test_c4_jsonl_loader_on_a_fixture(tmp_path):
+    """Full profile: C4-style jsonl ({"text", "timestamp", "url"} per line), reduced to the providers' alphabet."""
+    import json
+
+    lines = [{"text": "The Cat sat.\nIt's 3 o'clock!", "timestamp": "2019-04-25", "url": "https://a"},
+             {"text": "Second   doc. Ends here.", "url": "https://b"}]
+    (tmp_path / "c4.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert wash.load_jsonl(tmp_path / "c4.jsonl") == ["the cat sat. it s o clock", "second doc. ends here."]
