@@ -48,6 +48,8 @@ def run(
     force: Annotated[bool, typer.Option(help="Retrain even if an identical earlier run exists.")] = False,
     report: Annotated[bool, typer.Option(help="Write the scoreboard afterwards.")] = False,
     hostfile: Annotated[str | None, typer.Option(help="DeepSpeed hostfile: train across its machines.")] = None,
+    nodes: Annotated[int, typer.Option(help="Split each job's ranks over N launchers on this machine, one "
+                                            "rendezvous (multi-node, as on N machines).")] = 1,
     parallel: Annotated[int, typer.Option(help="Papers run side by side (several papers only).")] = 1,
 ) -> None:
     """Run paper pipelines (prepare -> train -> evaluate -> claim); each ends with its claim line."""
@@ -74,6 +76,14 @@ def run(
         todo = [pid for pid in ids if pid not in reused]
         # every run resolved once (values checked, real inputs present) before any work; handed down as is
         requests = [registry.request(pid, profile, overrides, settings.params_file()) for pid in todo]
+        if nodes != 1:  # multi-node on this machine (tasks.train.launch reads PAPERLINE_NODES)
+            from tasks.train import check_nodes
+
+            if hostfile:
+                raise registry.ConfigError("--nodes and --hostfile: choose one")
+            for pid, req in zip(todo, requests, strict=True):
+                check_nodes(req.params.ranks, nodes, pid)
+            os.environ["PAPERLINE_NODES"] = str(nodes)
     except registry.ConfigError as e:
         _fail(str(e))
     except RuntimeError as e:  # the tracking store is unreachable
