@@ -55,12 +55,27 @@ def launch(job: TrainJob) -> None:
             "tracking_uri": job.tracking_uri if job.tracking_uri == mask(job.tracking_uri or "") else None,
             "threads_per_rank": _threads_per_rank(job.params.ranks)}
     spec_path.write_text(json.dumps(spec, indent=1))  # the record of what ran, in the run folder
-    warm, how = _claim(job.paper_id, job.params)
-    if warm is not None:
-        process = warm.hand_over(spec)
+    nodes = nodes_from_env()
+    others: list[subprocess.Popen] = []  # the launchers of nodes 1.. (node 0's output is streamed below)
+    if nodes > 1:
+        cancel_prestarted(job.paper_id)  # a prestarted job is one node's: a multi-node job starts anew
+        warm, how = None, f"new job across {nodes} nodes (one launcher each, one rendezvous on 127.0.0.1)"
+        port = free_port()
+        for node_rank in range(1, nodes):
+            command = launcher_command(job.params.ranks, spec_path, None, nodes, node_rank, port)
+            with open(job.out_dir / f"train.node{node_rank}.log", "a") as node_log:
+                others.append(subprocess.Popen(command, stdout=node_log, stderr=subprocess.STDOUT, text=True,
+                                               env=_rank_env(job.params.ranks),
+                                               preexec_fn=die_with_parent))
+        process = _spawn(launcher_command(job.params.ranks, spec_path, None, nodes, 0, port),
+                         _rank_env(job.params.ranks))
     else:
-        command = launcher_command(job.params.ranks, spec_path, os.environ.get("PAPERLINE_HOSTFILE"))
-        process = _spawn(command, _rank_env(job.params.ranks))
+        warm, how = _claim(job.paper_id, job.params)
+        if warm is not None:
+            process = warm.hand_over(spec)
+        else:
+            command = launcher_command(job.params.ranks, spec_path, os.environ.get("PAPERLINE_HOSTFILE"))
+            process = _spawn(command, _rank_env(job.params.ranks))
     log_path = job.out_dir / "train.log"
     try:
         with open(log_path, "a", buffering=1) as log:  # line-buffered: a killed orchestrator loses no log lines
@@ -71,7 +86,13 @@ def launch(job: TrainJob) -> None:
                 if not _is_noise(line):
                     print(line, end="", file=sys.stderr, flush=True)
             code = process.wait()
+            for other in others:  # every node's launcher must succeed
+                code = code or other.wait()
     finally:
+        for other in others:
+            if other.poll() is None:
+                other.terminate()
+                other.wait()
         if warm is not None:
             warm.remove_ticket()
     if code != 0 or not (job.out_dir / DONE_MARKER).exists():
@@ -184,16 +205,34 @@ def last_error(log_path: Path) -> str | None:
     return errors[-1][:500] if errors else None
 
 
-def launcher_command(ranks: int, spec_path: Path, hostfile: str | None) -> list[str]:
-    """torchrun on this machine; with a hostfile, the `deepspeed` launcher across its hosts (same worker code;
-    the run folder must then be on storage every host mounts at the same path)."""
+def nodes_from_env() -> int:
+    """`paperline run --nodes N` (PAPERLINE_NODES): the job's ranks split over N launchers ("nodes") on this
+    machine, which rendezvous like N machines would."""
+    return int(os.environ.get("PAPERLINE_NODES", "1") or 1)
+
+
+def check_nodes(ranks: int, nodes: int, paper_id: str = "") -> None:
+    from models.registry import ConfigError
+
+    if nodes < 1 or ranks % nodes:
+        raise ConfigError(f"--nodes {nodes}: {paper_id + ' has ' if paper_id else ''}ranks={ranks}, which must "
+                          "split evenly over the nodes (set ranks=<a multiple> with --set)")
+
+
+def launcher_command(ranks: int, spec_path: Path, hostfile: str | None, nodes: int = 1, node_rank: int = 0,
+                     master_port: int | None = None, master_addr: str = "127.0.0.1") -> list[str]:
+    """torchrun on this machine; with `nodes` > 1, one torchrun per node (`--nnodes`, `--node_rank`, `ranks /
+    nodes` ranks each) meeting at one rendezvous, `master_addr:master_port` (node 0's TCP store): the same
+    command on N machines, or N launchers on loopback here. With a hostfile, the `deepspeed` launcher across its
+    hosts over SSH (same worker code; the run folder must then be on storage every host mounts at the same path)."""
     if hostfile:
         read_hostfile(Path(hostfile))
         return [sys.executable, "-m", "deepspeed.launcher.runner", f"--hostfile={hostfile}",
                 f"--master_port={free_port()}", "--module", "tasks.worker", str(spec_path)]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--nnodes=1",
-            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "--max_restarts=0",
-            "-m", "tasks.worker", str(spec_path)]
+    check_nodes(ranks, nodes)
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks // nodes}", f"--nnodes={nodes}",
+            f"--node_rank={node_rank}", f"--master_addr={master_addr}", f"--master_port={master_port or free_port()}",
+            "--max_restarts=0", "-m", "tasks.worker", str(spec_path)]
 
 
 def read_hostfile(path: Path) -> dict[str, int]:
