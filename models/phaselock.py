@@ -37,9 +37,9 @@ Deviations from the paper (choices the abstract and spec left open):
 - x0_hat is clipped to [-1, 1] at every DDIM step (diffusers' clip_sample): the cosine schedule's first step
   divides by sqrt(alpha_bar) ~ 1e-4. The FFTs take intensities in [0, 1] (background 0). PC skips frame 0 (the
   conditioning image, whose trail moves its centroid).
-- Full: the Physics-IQ-style loader is `load_physics_iq` (CSV + mp4 through PyAV, or PNG frame folders; neither
-  torchvision nor PyAV is installed here, so the test uses PNG folders); the full profile runs the synthetic ball
-  at larger scale, in pixel space (no VAE yet), one seed per run.
+- Full: the Physics-IQ-style loader is `load_physics_iq` (CSV + mp4 through PyAV, or PNG frame folders; both
+  tested on fixtures). The full profile does not read it: Physics-IQ gives no object trajectories, which the
+  physics metric needs, so it runs the synthetic ball at larger scale, in pixel space (no VAE yet).
 """
 
 from __future__ import annotations

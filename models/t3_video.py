@@ -34,7 +34,8 @@ Deviations from the paper (choices the abstract left open):
 - on CPU the pipeline runs the kernel module's PyTorch tile path; the interpreted Triton kernel is compared with it
   once on a tiny shape in evaluate (and in the tests);
 - full profile: a clip-folder loader (`clip_dir`: `captions.csv` + clips) replaces the sprites where data exist;
-  mp4 decoding needs PyAV, which is not installed here, so only the `.npy` clip format is tested [load_clip_folder].
+  clips are `.npy` or mp4 (PyAV), both tested on fixtures [load_clip_folder]. The paper's 4K clips are not public:
+  the full profile stays on sprites unless `clip_dir` names your own.
 """
 
 from __future__ import annotations

@@ -132,3 +132,21 @@ def test_networks_shapes_and_time_conditioning():
     losses = model(x, x[:, 0], torch.tensor([3, 700]), torch.randn_like(x),
                    pl.ddpm_scheduler(pl.TRAIN_STEPS, "cosine").alphas_cumprod.float())
     assert set(losses) == {"eps", "ae"} and all(torch.isfinite(v) for v in losses.values())
+
+
+def test_load_physics_iq_decodes_mp4(tmp_path):
+    """Physics-IQ ships mp4: decoded with PyAV, grayscale, first n_frames, area-resized."""
+    import av
+
+    with av.open(str(tmp_path / "take.mp4"), "w") as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.height, stream.width, stream.pix_fmt = 32, 32, "yuv420p"
+        for f in range(5):
+            frame = av.VideoFrame.from_ndarray(np.full((32, 32, 3), 40 * f + 20, np.uint8), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    (tmp_path / "metadata.csv").write_text("file,scenario\ntake.mp4,fall\n")
+    videos, rows = pl.load_physics_iq(tmp_path, size=8, n_frames=4)
+    assert videos.shape == (1, 4, 1, 8, 8) and rows[0]["scenario"] == "fall"
+    expected = (torch.tensor([20, 60, 100, 140]) / 255 * 2 - 1)
+    assert torch.allclose(videos[0, :, 0].mean((1, 2)), expected, atol=0.05)

@@ -136,3 +136,24 @@ def test_clip_folder_loader_reads_npy_clips_and_captions(tmp_path):
     assert hi.shape == (8, 2, 3, 16, 16) and cls.tolist() == [0, 1] * 4 and (split == "test").sum() == 4
     with pytest.raises(ValueError, match="frames"):
         M.load_clip_folder(tmp_path, 5, 8)
+
+
+def _mp4(path, frames):
+    """A real mp4 (MPEG-4 part 2 in the FFmpeg that PyAV bundles), (F, H, W, 3) uint8 frames."""
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.height, stream.width, stream.pix_fmt = frames.shape[1], frames.shape[2], "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+
+
+def test_clip_folder_loader_decodes_mp4(tmp_path):
+    levels = (30, 120, 210)
+    _mp4(tmp_path / "clip.mp4", np.stack([np.full((24, 32, 3), v, np.uint8) for v in levels]))
+    (tmp_path / "captions.csv").write_text("file,caption\nclip.mp4,a grey clip\n")
+    vids, caps = M.load_clip_folder(tmp_path, 3, 8)
+    assert vids.shape == (1, 3, 8, 8, 3) and caps == ["a grey clip"]
+    assert np.allclose(vids[0].mean((1, 2, 3)), np.array(levels) / 255, atol=0.03)  # lossy codec
