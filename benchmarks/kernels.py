@@ -179,18 +179,20 @@ def aot(arch: int = 90) -> list[dict]:
     for cfg in K.MATMUL_CONFIGS:  # K = 8192 at TP 1: 16 leaves a segment, 16 segments (the most slots)
         compile_one("tbik_shard_matmul", K._shard_matmul_kernel.fn, sig,
                     {**cfg.kwargs, "BK_": K.BK, "UPCAST": False, "DEPTH": 5, "SDEPTH": 5, "GROUP_M": 8}, cfg)
-    qkv = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16"}
     tables = {"tok_ptr": "*i32", "dst_ptr": "*i32", "gid_ptr": "*i32", "lo_ptr": "*i32", "hi_ptr": "*i32",
-              "N": i32, "T": i32, "D": i32, "KS": i32, "scale": "fp32", "BM": c, "BN": c, "BD": c, "UPCAST": c}
-    grads = {"do_ptr": "*bf16", "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
+              "N": i32, "T": i32, "D": i32, "KS": i32, "scale": "fp32", "BM": c, "BN": c, "BD": c, "UPCAST": c,
+              "PREC": c}
     cfg = WA.CONFIGS[0]
-    consts = {"BM": 64, **cfg.kwargs, "BD": 64, "UPCAST": False}
-    compile_one("window_fwd", WA._window_fwd_kernel.fn, {**qkv, "o_ptr": "*fp32", "lse_ptr": "*fp32", **tables},
-                consts, cfg)
-    compile_one("window_bwd_dq", WA._window_bwd_dq_kernel.fn, {**qkv, **grads, "dq_ptr": "*fp32", **tables},
-                consts, cfg)
-    compile_one("window_bwd_dkdv", WA._window_bwd_dkdv_kernel.fn,
-                {**qkv, **grads, "dk_ptr": "*fp32", "dv_ptr": "*fp32", **tables}, consts, cfg)
+    consts = {"BM": 64, **cfg.kwargs, "BD": 64, "UPCAST": False, "PREC": WA._PREC}
+    for dt in ("bf16", "fp32"):
+        qkv = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}"}
+        grads = {"do_ptr": f"*{dt}", "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
+        compile_one(f"window_fwd_{dt}", WA._window_fwd_kernel.fn,
+                    {**qkv, "o_ptr": "*fp32", "lse_ptr": "*fp32", **tables}, consts, cfg)
+        compile_one(f"window_bwd_dq_{dt}", WA._window_bwd_dq_kernel.fn,
+                    {**qkv, **grads, "dq_ptr": "*fp32", **tables}, consts, cfg)
+        compile_one(f"window_bwd_dkdv_{dt}", WA._window_bwd_dkdv_kernel.fn,
+                    {**qkv, **grads, "dk_ptr": "*fp32", "dv_ptr": "*fp32", **tables}, consts, cfg)
     cfg = T.CONFIGS[0]
     for name, fn, src in (("gather", T._gather_kernel.fn, "x_ptr"), ("scatter", T._scatter_kernel.fn, "y_ptr")):
         compile_one(name, fn, {src: "*bf16", "idx_ptr": "*i64", "out_ptr": "*bf16", "L": i32, "n": i32,

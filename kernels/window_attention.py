@@ -220,6 +220,9 @@ def _tile_rows(groups) -> int:
 CONFIGS = [triton.Config({"BN": bn}, num_warps=w, num_stages=st)
            for bn, w, st in [(32, 4, 2), (16, 4, 2), (64, 4, 2), (32, 4, 3), (64, 8, 3), (32, 8, 2)]]
 _ONE = triton.Config({"BN": 16}, num_warps=4, num_stages=1) if _INTERPRETED else CONFIGS[0]
+# fp32 dots (bf16 ones ignore it): compiled, 3 x TF32 on tensor cores, about fp32 accuracy and quick to
+# build (IEEE fp32 dots unroll into FMAs: 10-30 s of compile per kernel, and they spill); interpreted, IEEE
+_PREC = "ieee" if _INTERPRETED else "tf32x3"
 
 
 @triton.jit
@@ -234,7 +237,7 @@ def _load_rows(ptr, base, rows, ok, rd, D, UPCAST: tl.constexpr):
 @triton.jit
 def _window_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, tok_ptr, dst_ptr, gid_ptr, lo_ptr, hi_ptr,
                        N, T, D, KS, scale, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                       UPCAST: tl.constexpr):
+                       UPCAST: tl.constexpr, PREC: tl.constexpr):
     """One (batch*head, query tile): online softmax over the tile's key slots, masked to the same group."""
     bh, qt = tl.program_id(0).to(tl.int64), tl.program_id(1)
     base = bh * N * D
@@ -256,14 +259,14 @@ def _window_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, tok_ptr, dst_ptr, gi
         col_ok = cols >= 0
         k = _load_rows(k_ptr, base, cols, col_ok, rd, D, UPCAST)
         v = _load_rows(v_ptr, base, cols, col_ok, rd, D, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale  # (BM, BN)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC).to(tl.float32) * scale  # (BM, BN)
         s = tl.where(col_ok[None, :] & (gq[:, None] == gk[None, :]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep exp() finite
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee").to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(tl.float32)
         m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     dst = tl.load(dst_ptr + rm).to(tl.int64)
@@ -276,7 +279,7 @@ def _window_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, tok_ptr, dst_ptr, gi
 @triton.jit
 def _window_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, tok_ptr, dst_ptr, gid_ptr, lo_ptr,
                           hi_ptr, N, T, D, KS, scale, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                          UPCAST: tl.constexpr):
+                          UPCAST: tl.constexpr, PREC: tl.constexpr):
     """dQ of one (batch*head, query tile): dS = P * (dP - delta), dQ = scale * dS K over the tile's key slots."""
     bh, qt = tl.program_id(0).to(tl.int64), tl.program_id(1)
     base = bh * N * D
@@ -299,12 +302,12 @@ def _window_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_pt
         col_ok = cols >= 0
         k = _load_rows(k_ptr, base, cols, col_ok, rd, D, UPCAST)
         v = _load_rows(v_ptr, base, cols, col_ok, rd, D, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PREC).to(tl.float32) * scale
         keep = row_ok[:, None] & col_ok[None, :] & (gq[:, None] == gk[None, :])
         p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision="ieee").to(tl.float32)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC).to(tl.float32)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee").to(tl.float32)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC).to(tl.float32)
     dst = tl.load(dst_ptr + rm).to(tl.int64)
     tl.store(dq_ptr + (bh * N * D + (dst // N) * KS + (dst % N) * D)[:, None] + rd[None, :], dq * scale,
              mask=row_ok[:, None] & (rd[None, :] < D))
@@ -314,7 +317,7 @@ def _window_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_pt
 @triton.jit
 def _window_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, tok_ptr, dst_ptr,
                             gid_ptr, lo_ptr, hi_ptr, N, T, D, KS, scale, BM: tl.constexpr, BN: tl.constexpr,
-                            BD: tl.constexpr, UPCAST: tl.constexpr):
+                            BD: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
     """dK, dV of one (batch*head, key tile of BM slots): dV = P^T dO, dK = scale * dS^T Q over the query slots that
     see these keys, which are the tile's own slot range [lo, hi)."""
     bh, kt = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -339,13 +342,13 @@ def _window_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_
         do = _load_rows(do_ptr, base, rows, row_ok, rd, D, UPCAST)
         lse = tl.load(lse_ptr + bh * T + rm, mask=row_ok, other=0.0)
         delta = tl.load(delta_ptr + bh * T + rm, mask=row_ok, other=0.0)
-        st = tl.dot(k, tl.trans(q), input_precision="ieee").to(tl.float32) * scale  # (BM keys, BN queries)
+        st = tl.dot(k, tl.trans(q), input_precision=PREC).to(tl.float32) * scale  # (BM keys, BN queries)
         keep = col_ok[:, None] & row_ok[None, :] & (gk[:, None] == gq[None, :])
         pt = tl.where(keep, tl.exp(st - lse[None, :]), 0.0)
-        dv += tl.dot(pt.to(do.dtype), do, input_precision="ieee").to(tl.float32)
-        dpt = tl.dot(v, tl.trans(do), input_precision="ieee").to(tl.float32)
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC).to(tl.float32)
+        dpt = tl.dot(v, tl.trans(do), input_precision=PREC).to(tl.float32)
         dst_ = pt * (dpt - delta[None, :])
-        dk += tl.dot(dst_.to(q.dtype), q, input_precision="ieee").to(tl.float32)
+        dk += tl.dot(dst_.to(q.dtype), q, input_precision=PREC).to(tl.float32)
     dst = tl.load(dst_ptr + rn).to(tl.int64)
     off = (bh * N * D + (dst // N) * KS + (dst % N) * D)[:, None] + rd[None, :]
     mask = col_ok[:, None] & (rd[None, :] < D)
@@ -381,7 +384,7 @@ class _WindowAttention(torch.autograd.Function):
         lse = torch.empty((b * h, t), dtype=torch.float32, device=q.device)
         bd = max(16, triton.next_power_of_2(d))
         _window_fwd_kernel[(b * h, t // bm)](q, k, v, o, lse, tok, dst, gid, lo, hi, n, t, d, o[0].numel(),
-                                             1.0 / math.sqrt(d), BM=bm, BD=bd, UPCAST=_INTERPRETED)
+                                             1.0 / math.sqrt(d), BM=bm, BD=bd, UPCAST=_INTERPRETED, PREC=_PREC)
         ctx.save_for_backward(q, k, v, o, lse, tok, dst, gid, lo, hi)
         ctx.bm, ctx.bd = bm, bd
         return (o.sum(0) / nk if nk > 1 else o[0]).to(q.dtype)  # the mean over kinds, one rounding
@@ -400,10 +403,11 @@ class _WindowAttention(torch.autograd.Function):
         do_in = do.to(q.dtype) if not _INTERPRETED else do
         dq, dk, dv = _per_kind(q, nk), _per_kind(q, nk), _per_kind(q, nk)
         scale = 1.0 / math.sqrt(d)
+        meta = {"BM": bm, "BD": ctx.bd, "UPCAST": _INTERPRETED, "PREC": _PREC}
         _window_bwd_dq_kernel[(b * h, t // bm)](q, k, v, do_in, lse, delta, dq, tok, dst, gid, lo, hi, n, t, d,
-                                                o[0].numel(), scale, BM=bm, BD=ctx.bd, UPCAST=_INTERPRETED)
+                                                o[0].numel(), scale, **meta)
         _window_bwd_dkdv_kernel[(b * h, t // bm)](q, k, v, do_in, lse, delta, dk, dv, tok, dst, gid, lo, hi, n, t,
-                                                  d, o[0].numel(), scale, BM=bm, BD=ctx.bd, UPCAST=_INTERPRETED)
+                                                  d, o[0].numel(), scale, **meta)
         return dq.sum(0).to(q.dtype), dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype), None
 
 
