@@ -59,7 +59,9 @@ def test_kernel_and_tile_path_match_the_dense_reference(b, h, n, d, windows, gri
 def test_one_window_covering_everything_without_remote_is_full_attention(n, grid, window, use_triton):
     q, k, v = _qkv(2, 2, n, 16)
     out = W.multiscale_window_attention(q, k, v, window, grid, remote=False, use_triton=use_triton)
-    assert torch.allclose(out, W.full_attention_ref(q, k, v), atol=2e-6)
+    # compiled, the kernels' fp32 dots are 3 x TF32 (about fp32 accuracy, not IEEE order)
+    atol = 1e-5 if use_triton and DEVICE == "cuda" else 2e-6
+    assert torch.allclose(out, W.full_attention_ref(q, k, v), atol=atol)
 
 
 # backward cases: groups over two tiles (S = 70), several windows and both kinds in one launch, a 3D grid with
