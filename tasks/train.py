@@ -235,6 +235,24 @@ def launcher_command(ranks: int, spec_path: Path, hostfile: str | None, nodes: i
             "--max_restarts=0", "-m", "tasks.worker", str(spec_path)]
 
 
+def k8s_multinode_job(job_name: str, ranks: int, nodes: int, spec_path: str, image: str = "paperline:latest",
+                      gpus_per_node: int | None = None, master_port: int = 29500) -> list[dict]:
+    """infra/k8s/multinode-job.yaml rendered: the headless Service and the Indexed Job whose pods run
+    `launcher_command` with `--node_rank=$(NODE_RANK)` (each pod's completion index) against pod 0."""
+    import yaml
+    from prefect.utilities.templating import apply_values
+
+    template = Path(__file__).resolve().parents[1] / "infra" / "k8s" / "multinode-job.yaml"
+    command = launcher_command(ranks, Path(spec_path), None, nodes, 0, master_port,
+                               master_addr=f"{job_name}-0.{job_name}")
+    command = ["python", *command[1:]]  # the image's interpreter
+    command[command.index("--node_rank=0")] = "--node_rank=$(NODE_RANK)"
+    values = {"job_name": job_name, "nodes": nodes, "nodes_text": str(nodes), "master_port": master_port,
+              "image": image, "command": command,
+              "gpus_per_node": ranks // nodes if gpus_per_node is None else gpus_per_node}
+    return [apply_values(doc, values) for doc in yaml.safe_load_all(template.read_text())]
+
+
 def read_hostfile(path: Path) -> dict[str, int]:
     """DeepSpeed hostfile: `<host> slots=<n>` per line, `#` comments. Raises ConfigError naming the problem."""
     from models.registry import ConfigError

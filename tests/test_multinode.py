@@ -45,3 +45,40 @@ def test_launcher_command_per_node(tmp_path):
     assert "--master_addr=trainer-0.svc" in node1 and "--master_port=29555" in node1
     with pytest.raises(ConfigError, match="split evenly"):
         launcher_command(3, spec, None, nodes=2)
+
+
+def test_kubernetes_indexed_job_rendezvouses_like_the_loopback_nodes():
+    """infra/k8s/multinode-job.yaml rendered: every placeholder filled, pods named for the rendezvous, the same
+    launcher command as on one machine with the pod's completion index as node rank, the project volume of the
+    worker manifest."""
+    import yaml
+
+    from tasks.train import k8s_multinode_job
+
+    spec = "/opt/paperline/runs/sei/r1/worker_spec.json"
+    service, job = k8s_multinode_job("sei-r1", ranks=8, nodes=2, spec_path=spec)
+    assert "{{" not in yaml.safe_dump_all([service, job])
+    assert (service["kind"], job["kind"]) == ("Service", "Job")
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 2 and job["spec"]["backoffLimit"] == 0
+    pod = job["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert pod["spec"]["subdomain"] == service["metadata"]["name"] == "sei-r1"
+    (container,) = pod["spec"]["containers"]
+    expected = launcher_command(8, PROJECT / "x", None, 2, 0, 29500, master_addr="sei-r1-0.sei-r1")
+    command = container["command"]
+    assert command[0] == "python" and command[-1] == spec
+    assert command[1:-1] == [a if a != "--node_rank=0" else "--node_rank=$(NODE_RANK)" for a in expected[1:-1]]
+    (node_rank,) = [e for e in container["env"] if e["name"] == "NODE_RANK"]
+    assert node_rank["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4  # ranks per node
+    assert container["ports"][0]["containerPort"] == service["spec"]["ports"][0]["port"] == 29500
+    worker = {m["kind"]: m for m in yaml.safe_load_all((PROJECT / "infra" / "k8s" / "worker.yaml").read_text())}
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v}
+    assert claims == {worker["PersistentVolumeClaim"]["metadata"]["name"]}
+    assert {service["metadata"]["namespace"], job["metadata"]["namespace"]} == {"paperline"}
+    # the worker's service account may create and watch these (a Service too, for the rendezvous names)
+    rules = worker["Role"]["rules"]
+    assert any("jobs" in r["resources"] for r in rules) and any("services" in r["resources"] for r in rules)
