@@ -10,7 +10,8 @@
 #                                   # compiled for sm_90 without a GPU (kernels.py --aot), the smoke command
 #                                   # printed, not run; writes nothing under benchmarks/results/
 #
-# Step limits (seconds) can be changed: TESTS_S (default 150), BENCH_S (210), SMOKE_S (110). PY picks the Python.
+# Time limits (seconds): TOTAL_S (default 470) for the three steps together, TESTS_S (150) and BENCH_S (210) for the
+# first two; the smoke profiles get what is left. PY picks the Python.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -48,6 +49,7 @@ slug=$("$PY" -c "import re, torch; print(re.sub(r'[^a-z0-9]+', '-', torch.cuda.g
 result=benchmarks/results/kernels-$slug.json
 log=benchmarks/results/gpu-$slug.log
 : > "$log"
+SECONDS=0
 steps=()
 step() {  # step NAME LIMIT CMD...: run with a time limit, log its output, remember rc and seconds
     local name=$1 limit=$2
@@ -62,7 +64,9 @@ step() {  # step NAME LIMIT CMD...: run with a time limit, log its output, remem
 
 step tests "${TESTS_S:-150}" env PAPERLINE_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider -rs "${KERNEL_TESTS[@]}"
 step benchmarks "${BENCH_S:-210}" "$PY" benchmarks/kernels.py --out "$result"
-step smoke "${SMOKE_S:-110}" "$PY" -m flows.cli run "${SMOKE[@]}" --profile smoke --force --parallel 3
+left=$(( ${TOTAL_S:-470} - SECONDS ))
+(( left < 60 )) && left=60
+step smoke "$left" "$PY" -m flows.cli run "${SMOKE[@]}" --profile smoke --force --parallel 3
 
 "$PY" - "$result" "$log" "${steps[@]}" <<'EOF'
 import json, re, sys

@@ -221,10 +221,10 @@ def _fold(s0, s1, s2, s3, s4, s5, n, DEPTH: tl.constexpr):
 # only choose which outputs a program owns, num_warps / num_stages how it is scheduled; every config computes the
 # same trees (`test_every_tile_config_gives_the_same_bits`, compiled, checks that the leaf dot does not change with
 # them either).
-# Up to 10 (BM, BN) fp32 slots stay live (K = 8192: 5 leaf + 5 segment levels), so tiles are small for their warps:
-# compiled ahead of time for sm_90 (ptxas, bf16, no GPU needed), 64 x 64 on 8 warps takes 221 registers and spills
-# nothing, 64 x 128 or 128 x 64 on 8 warps and anything on 16 warps spill; those are left out. BM stays a multiple
-# of 64, so every config issues the same Hopper wgmma instructions.
+# Up to 10 (BM, BN) fp32 slots stay live (K = 8192: 5 leaf + 5 segment levels), so tiles are small for their warps.
+# Compiled ahead of time for sm_90 (`benchmarks/kernels.py --aot`: Triton + ptxas, no GPU needed), 64 x 64 on 8
+# warps spills nothing, while 64 x 128 or 128 x 64 on 8 warps and any tile on 16 warps spill; those are left out.
+# BM stays a multiple of 64, so every config issues the same Hopper wgmma instructions.
 MATMUL_CONFIGS = [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=st)
                   for bm, bn, w, st in [(64, 64, 8, 3), (64, 64, 8, 4), (64, 32, 8, 3), (128, 32, 8, 3),
                                         (64, 32, 4, 3), (64, 64, 8, 2)]]
