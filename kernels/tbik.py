@@ -174,28 +174,37 @@ def naive_tp_sum_ref(x: torch.Tensor, tp_size: int) -> torch.Tensor:
 @triton.jit
 def _push(s0, s1, s2, s3, s4, s5, leaf, i, DEPTH: tl.constexpr):
     """Push leaf i into a binary counter of complete subtrees: before the push, slot L is full iff bit L of i is 1.
-    The carry reaches level L iff bits 0..L-1 of i are all 1; there it merges with a full slot (left + right) and
-    climbs on, or lands in the empty slot. Levels >= DEPTH (the bit length of the leaf count) stay unused; the
-    levels are written out because nested calls and loops over tuples are slow or unsupported when interpreted."""
-    c = leaf
-    go = i >= 0  # the carry is still climbing
-    full = (i & 1) != 0
-    s0, c, go = tl.where(go & ~full, c, s0), tl.where(go & full, s0 + c, c), go & full
-    if DEPTH > 1:
-        full = (i & 2) != 0
-        s1, c, go = tl.where(go & ~full, c, s1), tl.where(go & full, s1 + c, c), go & full
-    if DEPTH > 2:
-        full = (i & 4) != 0
-        s2, c, go = tl.where(go & ~full, c, s2), tl.where(go & full, s2 + c, c), go & full
-    if DEPTH > 3:
-        full = (i & 8) != 0
-        s3, c, go = tl.where(go & ~full, c, s3), tl.where(go & full, s3 + c, c), go & full
-    if DEPTH > 4:
-        full = (i & 16) != 0
-        s4, c, go = tl.where(go & ~full, c, s4), tl.where(go & full, s4 + c, c), go & full
-    if DEPTH > 5:
-        full = (i & 32) != 0
-        s5 = tl.where(go & ~full, c, s5)
+    The carry climbs while the slots it meets are full, merging with each (older slot + carry: left + right), and
+    lands in the first empty one. The branches are on the scalar i, so a push costs the adds it merges (one on
+    average) and one move, not a select per slot. Levels >= DEPTH (the bit length of the leaf count) are never
+    reached; the levels are written out because nested calls and loops over tuples are slow or unsupported when
+    interpreted."""
+    if (i & 1) == 0:
+        s0 = leaf
+    else:
+        c = s0 + leaf
+        if DEPTH > 1:
+            if (i & 2) == 0:
+                s1 = c
+            else:
+                c = s1 + c
+                if DEPTH > 2:
+                    if (i & 4) == 0:
+                        s2 = c
+                    else:
+                        c = s2 + c
+                        if DEPTH > 3:
+                            if (i & 8) == 0:
+                                s3 = c
+                            else:
+                                c = s3 + c
+                                if DEPTH > 4:
+                                    if (i & 16) == 0:
+                                        s4 = c
+                                    else:
+                                        c = s4 + c
+                                        if DEPTH > 5:
+                                            s5 = c
     return s0, s1, s2, s3, s4, s5
 
 
@@ -222,12 +231,13 @@ def _fold(s0, s1, s2, s3, s4, s5, n, DEPTH: tl.constexpr):
 # same trees (`test_every_tile_config_gives_the_same_bits`, compiled, checks that the leaf dot does not change with
 # them either).
 # Up to 10 (BM, BN) fp32 slots stay live (K = 8192: 5 leaf + 5 segment levels), so tiles are small for their warps.
-# Compiled ahead of time for sm_90 (`benchmarks/kernels.py --aot`: Triton + ptxas, no GPU needed), 64 x 64 on 8
-# warps spills nothing, while 64 x 128 or 128 x 64 on 8 warps and any tile on 16 warps spill; those are left out.
-# BM stays a multiple of 64, so every config issues the same Hopper wgmma instructions.
+# Compiled ahead of time for sm_90 (`benchmarks/kernels.py --aot`: Triton + ptxas, no GPU needed), 64 x 32 on 8
+# warps spills nothing, 64 x 64 and 128 x 32 on 8 warps spill a little (kept: fewer loads per FLOP; the autotuner
+# decides), 4 warps, 16 warps and 128 x 64 spill more and are left out. BM stays a multiple of 64, so every config
+# issues the same Hopper wgmma instructions.
 MATMUL_CONFIGS = [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=st)
-                  for bm, bn, w, st in [(64, 64, 8, 3), (64, 64, 8, 4), (64, 32, 8, 3), (128, 32, 8, 3),
-                                        (64, 32, 4, 3), (64, 64, 8, 2)]]
+                  for bm, bn, w, st in [(64, 32, 8, 3), (64, 32, 8, 4), (64, 32, 8, 2), (64, 64, 8, 3),
+                                        (64, 64, 8, 4), (128, 32, 8, 3)]]
 _ONE_CONFIG = (triton.Config({"BM": 16, "BN": 64}, num_warps=4, num_stages=1) if INTERPRET else MATMUL_CONFIGS[0])
 
 
