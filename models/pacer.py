@@ -57,6 +57,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sklearn.linear_model import LassoLarsIC, LinearRegression
 from sklearn.metrics import average_precision_score
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
@@ -221,15 +222,31 @@ def load_graphs(data_dir: Path) -> dict[str, dict]:
 
 
 # ---- the paper's mechanism -----------------------------------------------------------------------------------------
+CHUNK_BYTES = 2**30  # (S, R, d, d) intermediates above this are computed a few regimes at a time
+
+
+def _quad(b: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """M_jj - 2 (B^T M)_jj + (B^T M B)_jj: b (S, d, d), m (R, d, d) -> (S, R, d)."""
+    btm = torch.einsum("sij,rik->srjk", b, m)  # (S, R, d, d): (B^T M_r)
+    return (torch.diagonal(m, dim1=1, dim2=2)[None]  # (1, R, d): M_jj
+            - 2 * torch.diagonal(btm, dim1=2, dim2=3)  # (S, R, d): 2 (B^T M)_jj
+            + torch.einsum("srjk,skj->srj", btm, b))  # (S, R, d): (B^T M B)_jj
+
+
 def expected_loglik(p_edge: torch.Tensor, w: torch.Tensor, log_sigma: torch.Tensor, m: torch.Tensor,
                     n: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Closed-form E_A[sum of log-likelihoods] with A_ij ~ Bernoulli(P_ij) independent.
-    p_edge (S, d, d), w (d, d), log_sigma (d,), m (R, d, d) per-regime second moments, n (R,), keep (R, d) -> (S,)."""
+    p_edge (S, d, d), w (d, d), log_sigma (d,), m (R, d, d) per-regime second moments, n (R,), keep (R, d) -> (S,).
+    The (S, R, d, d) intermediate of the quadratic term is formed a block of regimes at a time once it passes
+    CHUNK_BYTES (d = 2000: 8 orderings x 49 regimes would be 6 GiB, kept again for the backward pass), each block
+    recomputed in the backward pass instead of kept (activation checkpointing)."""
     b = p_edge * w  # (S, d, d): E[A o W]
-    btm = torch.einsum("sij,rik->srjk", b, m)  # (S, R, d, d): (B^T M_r)
-    quad = (torch.diagonal(m, dim1=1, dim2=2)[None]  # (1, R, d): M_jj
-            - 2 * torch.diagonal(btm, dim1=2, dim2=3)  # (S, R, d): 2 (B^T M)_jj
-            + torch.einsum("srjk,skj->srj", btm, b))  # (S, R, d): (B^T M B)_jj
+    per = max(1, CHUNK_BYTES // max(1, b.numel() * b.element_size()))  # regimes a block
+    if per >= len(m):
+        quad = _quad(b, m)
+    else:
+        quad = torch.cat([checkpoint(_quad, b, m[i : i + per], use_reentrant=False)
+                          for i in range(0, len(m), per)], 1)  # (S, R, d)
     var = torch.einsum("sij,ri->srj", p_edge * (1 - p_edge) * w**2, torch.diagonal(m, dim1=1, dim2=2))  # (S, R, d)
     ll = -0.5 * (LOG2PI + 2 * log_sigma) - (quad + var) / (2 * torch.exp(2 * log_sigma))  # (S, R, d) per sample
     return (ll * (n[:, None] * keep)[None]).sum((1, 2))  # (S,)
