@@ -64,11 +64,12 @@ def test_full_gpu_deployment_renders_a_kubernetes_job_with_gpus_and_the_project_
     config = yaml.safe_load((PROJECT / "prefect.yaml").read_text())
     (deployment,) = [d for d in config["deployments"] if d["name"] == "full-gpu"]
     full = registry.resolve(deployment["parameters"]["paper"], "full", None, PROJECT / "params.yaml")
-    assert full.ranks == deployment["work_pool"]["job_variables"]["gpus"]  # one rank per GPU
-    job = _render("paperline-k8s", deployment["work_pool"]["job_variables"])["job_manifest"]
+    # the GPUs are not fixed in the deployment: a run passes its plan's (`paperline plan <id> --gpus`, one per rank)
+    assert "gpus" not in deployment["work_pool"]["job_variables"]
+    job = _render("paperline-k8s", {**deployment["work_pool"]["job_variables"], "gpus": full.ranks})["job_manifest"]
     pod = job["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == full.ranks
     assert container["image"] == "paperline:latest" and container["workingDir"] == "/opt/paperline"
     assert job["metadata"]["namespace"] == "paperline"
     claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
