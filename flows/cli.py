@@ -25,6 +25,17 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Reproduce, retrain and compare the ICML 2026 paper pipelines.")
 
 
+@app.callback()
+def options(verbose: Annotated[bool, typer.Option("--verbose", help="Every tool's own output on the console (DVC, "
+                                                  "MLflow, transformers, DeepSpeed); otherwise it goes to the log "
+                                                  "file.")] = False) -> None:
+    if verbose:
+        os.environ["PAPERLINE_VERBOSE"] = "1"
+        for key, value in settings.QUIET_DEFAULTS.items():  # set by configure_environment before the flag was read
+            if os.environ.get(key) == value:
+                del os.environ[key]
+
+
 def _fail(message: str, code: int = 2) -> None:
     typer.secho(f"error: {message}", err=True, fg="red")
     raise typer.Exit(code)

@@ -157,7 +157,7 @@ class TrainContext:
             self.sink.add({f"train/{name}/resumed_at_step": start}, start)
         every = self.params.checkpoint_every
         t0 = time.perf_counter()
-        report_every = max(log_every, num_steps // 10)  # about ten progress lines per phase
+        bar = PhaseProgress(self, name, start, num_steps)
         for step in range(start, num_steps):
             torch.manual_seed(self.params.seed * 1_000_003 + step)  # dropout etc. depend on the step only
             local = self._shard(batch_fn(step))
@@ -165,24 +165,24 @@ class TrainContext:
             engine.backward(loss)
             engine.step()
             _maybe_inject_fault(self.out_dir, self.rank, name, step + 1, self.params.seed)
-            window.append(float(loss.detach()))
+            last = float(loss.detach())
+            window.append(last)
             if (step + 1) % log_every == 0 or step + 1 == num_steps:
                 logged = {"loss": sum(window) / len(window), **{k: float(v) for k, v in metrics.items()}}
                 self.log({f"train/{name}/{k}": v for k, v in logged.items()}, step)
                 window.clear()
-            if (step + 1) % report_every == 0 or step + 1 == num_steps:
-                rate = (step + 1 - start) / (time.perf_counter() - t0)
-                last = float(loss.detach())
-                self.progress(f"phase {name}: step {step + 1}/{num_steps} loss {last:.4f} ({rate:.1f} it/s)")
+            bar.update(step + 1, last)
             if (step + 1) % every == 0 or step + 1 == num_steps:
                 self._checkpoint(ckpt_dir, engine, step + 1, state, window)
+        rate = (num_steps - start) / max(time.perf_counter() - t0, 1e-9)
+        bar.done(f"phase {name}: {num_steps - start} steps in {time.perf_counter() - t0:.1f} s ({rate:.1f} it/s)")
         self._save_network(name, engine)
 
     def _save_network(self, name: str, engine: Any) -> None:
         """The phase's trained network as a whole module, `<out_dir>/network.<phase>.pt` (rank 0; logged with the
-        run's outputs): what the registered MLflow model restores (flows/serving.py). The module is pickled by reference to its class in the
-        paper's module, without the hooks DeepSpeed put on it; a module that cannot be pickled is saved as its
-        state dict (with its class name), so the weights are still there."""
+        run's outputs): what the registered MLflow model restores (flows/serving.py). The module is pickled by
+        reference to its class in the paper's module, without the hooks DeepSpeed put on it; a module that cannot
+        be pickled is saved as its state dict (with its class name), so the weights are still there."""
         import contextlib
 
         gather = contextlib.nullcontext()
@@ -253,6 +253,46 @@ class TrainContext:
     def progress(self, message: str) -> None:
         if self.rank == 0:
             print(f"[{self.label or 'train'}] {message}", file=sys.stderr, flush=True)
+
+
+PROGRESS_TAG = "[paperline-progress] "  # a rank's structured progress line; tasks.train renders it as a bar
+
+
+class PhaseProgress:
+    """Rank 0's progress through a training phase. Launched by the train task (PAPERLINE_PROGRESS=lines), it
+    prints structured lines (`PROGRESS_TAG` + JSON: phase, step, total, loss), at most a few per second, which the
+    launcher renders as one rich bar with ETA; run in-process (tests), a plain line about every tenth of the phase."""
+
+    INTERVAL_S = 0.5
+
+    def __init__(self, ctx: TrainContext, phase: str, start: int, total: int):
+        self.ctx, self.phase, self.start, self.total = ctx, phase, start, total
+        self.structured = os.environ.get("PAPERLINE_PROGRESS") == "lines"
+        self.last_emit = 0.0
+        self.t0 = time.perf_counter()
+        self.every = max(1, total // 10)
+        self._emit(start, None, force=True)
+
+    def _emit(self, step: int, loss: float | None, force: bool = False) -> None:
+        if self.ctx.rank != 0:
+            return
+        now = time.perf_counter()
+        if self.structured:
+            if force or now - self.last_emit >= self.INTERVAL_S:
+                self.last_emit = now
+                print(PROGRESS_TAG + json.dumps({"label": self.ctx.label, "phase": self.phase, "step": step,
+                                                 "start": self.start, "total": self.total, "loss": loss}),
+                      file=sys.stderr, flush=True)
+        elif step > self.start and (step % self.every == 0 or step == self.total):
+            rate = (step - self.start) / max(now - self.t0, 1e-9)
+            shown = "" if loss is None else f" loss {loss:.4f}"
+            self.ctx.progress(f"phase {self.phase}: step {step}/{self.total}{shown} ({rate:.1f} it/s)")
+
+    def update(self, step: int, loss: float | None) -> None:
+        self._emit(step, loss, force=step == self.total)
+
+    def done(self, summary: str) -> None:
+        self.ctx.progress(summary)
 
 
 _HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",

@@ -92,8 +92,11 @@ def _follow_current_streams() -> None:
 
     for name in ("dvc", "dvc_objects", "dvc_data"):
         for handler in logging.getLogger(name).handlers:
-            if isinstance(handler, logging.StreamHandler):  # not setStream: it flushes the old, closed stream
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                # not setStream: it flushes the old, closed stream
                 handler.stream = sys.stderr if handler.level >= logging.WARNING else sys.stdout
+    # DVC's stage messages and its git advice ("git add dvc.lock", "autostage") into the log file, not the console
+    settings.route_chatter("dvc", "dvc_objects", "dvc_data")
 
 
 def reproduce(stage: DataStage, force: bool = False) -> PreparedData:

@@ -7,6 +7,7 @@ would write under `~` by default (Prefect home, torch extension builds, DVC site
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import re
 import sys
@@ -70,6 +71,8 @@ def configure_environment() -> None:
         "TOKENIZERS_PARALLELISM": "false",
         "GIT_PYTHON_REFRESH": "quiet",
     }
+    if not verbose():  # third-party progress bars and advisories stay off the console (`paperline --verbose`)
+        defaults |= QUIET_DEFAULTS
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
     # Prefect creates its home folder without parents, and then cannot open its database
@@ -78,6 +81,63 @@ def configure_environment() -> None:
     bin_dir = str(Path(sys.executable).parent)
     if os.environ.get("PATH", "").split(os.pathsep)[0] != bin_dir:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
+# ---- a console a person wants to read -------------------------------------------------------------------------
+QUIET_DEFAULTS = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' "Loading weights" bar (and the hub's download bars)
+    "TRANSFORMERS_VERBOSITY": "error",
+}
+# loggers whose INFO lines are chatter on the console (DVC's stage messages and git advice, MLflow's "Creating
+# initial MLflow database tables", alembic's migrations): kept in the log file, warnings still on the console
+CHATTER = ("dvc", "dvc_objects", "dvc_data", "mlflow", "alembic", "transformers", "sentence_transformers")
+
+
+def verbose() -> bool:
+    """`paperline --verbose` (PAPERLINE_VERBOSE=1): every tool's own output on the console, as they print it."""
+    return os.environ.get("PAPERLINE_VERBOSE", "") not in ("", "0")
+
+
+def chatter_log() -> Path:
+    """Where third-party INFO lines go instead of the console: PAPERLINE_LOG (a run's log file) if set, else
+    `runs/paperline.log` in the workspace."""
+    return Path(os.environ.get("PAPERLINE_LOG") or runs_dir() / "paperline.log")
+
+
+_chatter_handlers: dict[Path, logging.Handler] = {}
+
+
+def route_chatter(*names: str) -> None:
+    """Send the INFO lines of these loggers to the log file instead of the console; warnings and errors still reach
+    the console, once (not also through Prefect's or the root logger's handlers). Call after the tool is imported
+    (its handlers exist then); a no-op with --verbose."""
+    if verbose():
+        return
+    path = chatter_log()
+    handler = _chatter_handlers.get(path)
+    if handler is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(path, delay=True)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        handler.setLevel(logging.INFO)
+        _chatter_handlers[path] = handler
+    for name in names or CHATTER:
+        log = logging.getLogger(name)
+        consoles = [h for h in log.handlers if isinstance(h, logging.StreamHandler)
+                    and not isinstance(h, logging.FileHandler)]
+        for console in consoles:
+            console.setLevel(max(console.level, logging.WARNING))
+        if not consoles:
+            console = logging.StreamHandler(sys.stderr)
+            console.setLevel(logging.WARNING)
+            log.addHandler(console)
+        for old in [h for h in log.handlers if h in _chatter_handlers.values() and h is not handler]:
+            log.removeHandler(old)  # another workspace's log (tests switch PAPERLINE_ROOT)
+        if handler not in log.handlers:
+            log.addHandler(handler)
+        if log.level == logging.NOTSET or log.level > logging.INFO:
+            log.setLevel(logging.INFO)
+        log.propagate = False  # DVC's lines appeared twice: its own handler's and Prefect's copy via the root
 
 
 def _has_cuda() -> bool:

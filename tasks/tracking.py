@@ -8,6 +8,7 @@ resolved params (profile + overrides), and the DVC data hash. It is the only "al
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -32,6 +33,7 @@ def client():
     such as `paperline list` do without)."""
     from mlflow import MlflowClient
 
+    _quiet_mlflow()
     # explicit client only: mlflow.set_tracking_uri would also export MLFLOW_TRACKING_URI to every later
     # subprocess and workspace of this process
     uri = settings.tracking_uri()
@@ -42,6 +44,12 @@ def client():
     with open(Path(uri.removeprefix("sqlite:///")).with_suffix(".db.lock"), "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         return MlflowClient(uri)
+
+
+@functools.cache
+def _quiet_mlflow() -> None:
+    """MLflow's INFO lines ("Creating initial MLflow database tables", alembic's migrations) to the log file."""
+    settings.route_chatter("mlflow", "alembic")
 
 
 def store_exists() -> bool:
@@ -68,6 +76,15 @@ def check_reachable() -> None:
 # MLflow's UI opens an experiment by its kind: without this tag, 3.x shows the GenAI view (traces, token usage);
 # with it, runs, metric charts and plots
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
+
+def ui_link(base: str, exp_id: str, run_id: str | None = None, tab: str = "") -> str:
+    """A link into the MLflow UI that opens in the model-training view. MLflow 3.17's UI picks its view from the
+    link (`workflowType`) or the browser's last choice, GenAI by default; the experiment tag above is what MLflow
+    records about the experiment, and what the UI reads where that switch is off."""
+    page = f"{base.rstrip('/')}/#/experiments/{exp_id}" + (f"/runs/{run_id}" if run_id else "")
+    page += f"/{tab}" if tab else ""
+    return f"{page}?workflowType=machine_learning"
 
 
 def experiment_id(paper_id: str) -> str:

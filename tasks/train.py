@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models.contract import PaperParams
-from tasks.settings import mask
+from tasks.context import PROGRESS_TAG
+from tasks.settings import mask, verbose
 from tasks.worker import DONE_MARKER, free_port
 
 ERROR_LINE = re.compile(r"^(\[[^\]]*\]:)?\s*[A-Za-z_.]*(Error|Exception|Interrupt): ")
@@ -77,18 +78,23 @@ def launch(job: TrainJob) -> None:
             command = launcher_command(job.params.ranks, spec_path, os.environ.get("PAPERLINE_HOSTFILE"))
             process = _spawn(command, _rank_env(job.params.ranks))
     log_path = job.out_dir / "train.log"
+    bars = PhaseBars()
     try:
         with open(log_path, "a", buffering=1) as log:  # line-buffered: a killed orchestrator loses no log lines
             log.write(f"[launcher] {how}, {job.params.ranks} rank(s)\n")
             assert process.stdout is not None
             for line in process.stdout:  # stream progress to the terminal and keep it in the run folder
                 log.write(line)
-                if not _is_noise(line):
-                    print(line, end="", file=sys.stderr, flush=True)
+                info = parse_progress(line)
+                if info is not None:
+                    bars.show(info)
+                elif verbose() or not _is_noise(line):
+                    bars.print(line)
             code = process.wait()
             for other in others:  # every node's launcher must succeed
                 code = code or other.wait()
     finally:
+        bars.close()
         for other in others:
             if other.poll() is None:
                 other.terminate()
@@ -106,9 +112,85 @@ def _threads_per_rank(ranks: int) -> int:
 
 
 def _rank_env(ranks: int) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(_threads_per_rank(ranks)), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(_threads_per_rank(ranks)), "PYTHONUNBUFFERED": "1",
+           "PAPERLINE_PROGRESS": "lines"}  # rank 0 reports progress as structured lines (PhaseBars renders them)
     env.pop("LOCAL_SIZE", None)  # its presence leaves DeepSpeed shm segments behind in /dev/shm
     return env
+
+
+# ---- progress on the console --------------------------------------------------------------------------------------
+def parse_progress(line: str) -> dict | None:
+    """A rank's structured progress line (tasks.context.PhaseProgress), or None for any other line."""
+    at = line.find(PROGRESS_TAG)
+    if at < 0:
+        return None
+    try:
+        return json.loads(line[at + len(PROGRESS_TAG):])
+    except json.JSONDecodeError:
+        return None
+
+
+class PhaseBars:
+    """The training phases' progress as the person at the terminal sees it: one rich bar per phase with steps, loss,
+    elapsed time and ETA, updated in place; other lines print above it. Not a terminal (a pipe, CI, a log): one
+    plain line per tenth of a phase, with the ETA."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.live = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.progress = None
+        self.tasks: dict[str, int] = {}
+        self.shown: dict[str, int] = {}  # plain mode: the last tenth printed per phase
+        self.started: dict[str, tuple[float, int]] = {}
+
+    def _bar(self):
+        if self.progress is None:
+            import rich.progress as rp
+            from rich.console import Console
+
+            self.progress = rp.Progress(rp.TextColumn("{task.description}", markup=False), rp.BarColumn(),
+                                        rp.MofNCompleteColumn(), rp.TextColumn("loss {task.fields[loss]}"),
+                                        rp.TimeElapsedColumn(), rp.TextColumn("ETA"), rp.TimeRemainingColumn(),
+                                        console=Console(file=self.stream), transient=False, refresh_per_second=4)
+            self.progress.start()
+        return self.progress
+
+    def show(self, info: dict) -> None:
+        key = f"{info.get('label') or 'train'} {info['phase']}"
+        loss = "-" if info.get("loss") is None else f"{info['loss']:.4f}"
+        step, total = int(info["step"]), int(info["total"])
+        if self.live:
+            bar = self._bar()
+            if key not in self.tasks:
+                self.tasks[key] = bar.add_task(f"[{key}]", total=total, completed=int(info.get("start", 0)),
+                                               loss=loss)
+            bar.update(self.tasks[key], completed=step, loss=loss)
+            return
+        import time
+
+        tenth = step * 10 // max(total, 1)
+        if key not in self.started:  # the phase starts (or resumes) here
+            self.started[key], self.shown[key] = (time.monotonic(), step), tenth
+            return
+        t0, s0 = self.started[key]
+        if tenth <= self.shown[key]:
+            return
+        self.shown[key] = tenth
+        elapsed = time.monotonic() - t0
+        eta = elapsed / max(step - s0, 1) * (total - step)
+        print(f"[{key}] step {step}/{total} loss {loss} ({elapsed:.0f} s, ETA {eta:.0f} s)", file=self.stream,
+              flush=True)
+
+    def print(self, line: str) -> None:
+        if self.progress is not None:
+            self.progress.console.print(line.rstrip("\n"), markup=False, highlight=False, soft_wrap=True)
+        else:
+            print(line, end="", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
 
 
 def _spawn(command: list[str], env: dict[str, str]) -> subprocess.Popen:

@@ -1,0 +1,83 @@
+"""The console a person reads: a progress bar per training phase, third-party chatter in the log file."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+from tasks import settings
+from tasks.context import PROGRESS_TAG, PhaseProgress, TrainContext
+from tasks.train import PhaseBars, parse_progress
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_rank_progress_lines_render_as_a_bar_or_as_tenths(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("PAPERLINE_PROGRESS", "lines")
+    monkeypatch.setattr(PhaseProgress, "INTERVAL_S", 0.0)
+    ctx = TrainContext(params=None, data_dir=tmp_path, out_dir=tmp_path, label="sei train")
+    bar = PhaseProgress(ctx, "detect", 0, 50)
+    for step in range(1, 51):
+        bar.update(step, 1.0 / step)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 51 and all(line.startswith(PROGRESS_TAG) for line in lines)
+    infos = [parse_progress(line) for line in lines]
+    assert infos[-1] == {"label": "sei train", "phase": "detect", "step": 50, "start": 0, "total": 50, "loss": 0.02}
+    assert parse_progress("[rank0]: some other line") is None
+
+    plain = io.StringIO()  # a pipe or a log: a line per tenth, with an ETA
+    bars = PhaseBars(plain)
+    for info in infos:
+        bars.show(info)
+    shown = plain.getvalue().splitlines()
+    assert len(shown) == 10 and shown[-1].startswith("[sei train detect] step 50/50 loss 0.0200")
+    assert "ETA" in shown[0]
+
+    tty = _Tty()  # a terminal: one bar updated in place, other lines above it
+    bars = PhaseBars(tty)
+    for info in infos:
+        bars.show(info)
+    bars.print("[sei train] phase detect: 50 steps in 1.0 s\n")
+    bars.close()
+    out = tty.getvalue()
+    assert "sei train detect" in out and "50/50" in out and "ETA" in out and "phase detect: 50 steps" in out
+
+
+def test_in_process_progress_stays_plain(monkeypatch, capsys, tmp_path):
+    monkeypatch.delenv("PAPERLINE_PROGRESS", raising=False)
+    ctx = TrainContext(params=None, data_dir=tmp_path, out_dir=tmp_path, label="x train")
+    bar = PhaseProgress(ctx, "fit", 0, 20)
+    for step in range(1, 21):
+        bar.update(step, 0.5)
+    err = capsys.readouterr().err
+    assert PROGRESS_TAG not in err and err.count("phase fit: step") == 10
+
+
+def test_chatter_goes_to_the_log_file_warnings_to_the_console(monkeypatch, tmp_path, capsys):
+    log_file = tmp_path / "run.log"
+    monkeypatch.setenv("PAPERLINE_LOG", str(log_file))
+    monkeypatch.delenv("PAPERLINE_VERBOSE", raising=False)
+    name = "paperline-test-chatter"
+    logger = logging.getLogger(name)
+    console = logging.StreamHandler()  # like DVC's and MLflow's own console handlers
+    logger.addHandler(console)
+    try:
+        settings.route_chatter(name)
+        logger.info("To track the changes with git, run: git add dvc.lock")
+        logger.warning("a real warning")
+        for h in logger.handlers:
+            h.flush()
+        err = capsys.readouterr().err
+        assert "git add dvc.lock" not in err and "a real warning" in err
+        assert err.count("a real warning") == 1  # not again through the root logger
+        text = log_file.read_text()
+        assert "git add dvc.lock" in text and "a real warning" in text
+    finally:
+        for h in list(logger.handlers):
+            logger.removeHandler(h)
+            h.close()
+    json.dumps(settings.QUIET_DEFAULTS)  # plain strings: environment defaults
