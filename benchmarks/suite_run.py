@@ -32,11 +32,11 @@ def collect(started_ms: int, ended_ms: int) -> dict[str, dict]:
         runs = [] if experiment is None else client.search_runs(
             [experiment.experiment_id], order_by=["attributes.start_time DESC"], max_results=1,
             filter_string=f"attributes.start_time >= {started_ms} and attributes.start_time <= {ended_ms} "
-                          "and tags.`paperline.profile` = 'smoke'")
+                          "and tags.`paperline.profile` = 'smoke' and tags.`paperline.kind` = 'pipeline'")
         if runs:
             run = runs[0]
             papers[pid] = {**{k: round(v, 1) for k, v in run.data.metrics.items() if k.startswith("time/")},
-                           "status": run.info.status, "claim_holds": run.data.tags.get("claim.holds")}
+                           "status": run.info.status, "verdict": run.data.tags.get("claim.verdict")}
     return papers
 
 

@@ -41,10 +41,10 @@ def main(ids: list[str]) -> None:
         peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # largest child so far
         run = latest_run(pid, "smoke")
         stages = {k: round(v, 1) for k, v in (run.data.metrics.items() if run else []) if k.startswith("time/")}
-        verdict = run.data.tags.get("claim.holds") if run else None
+        verdict = run.data.tags.get("claim.verdict") if run else None
         results[pid] = {"wall_s": round(wall, 1), "cpu_s": round(cpu_s, 1), "load_at_start": round(load, 1),
                         "stages": stages, "peak_rss_mb_so_far": round(peak_mb),
-                        "exit_code": proc.returncode, "claim_holds": verdict}
+                        "exit_code": proc.returncode, "verdict": verdict}
         OUT.write_text(json.dumps(results, indent=1))
         print(pid, results[pid], flush=True)
 

@@ -19,7 +19,7 @@ def suite() -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for paper, r in sorted(rows.items(), key=lambda kv: -kv[1]["wall_s"]):
         s = r["stages"]
-        verdict = {"true": "holds", "false": "does not hold"}.get(r["claim_holds"], r["claim_holds"])
+        verdict = r.get("verdict") or {"true": "holds", "false": "does not hold"}.get(r.get("claim_holds"), "")
         lines.append(f"| {paper} | {r['wall_s']} | {r.get('cpu_s', '')} | {r.get('load_at_start', '')} | "
                      f"{s.get('time/prepare_s', '')} | {s.get('time/train_s', '')} | "
                      f"{s.get('time/evaluate_s', '')} | {verdict} |")
