@@ -28,9 +28,11 @@ Deviations from the paper (choices the abstract left open):
 - Predicted changes are the model's decoded perturbed means minus its own decoded control means (log1p-normalised),
   which cancels the decoder's bias common to both; true changes come from the held-out cells.
 - The cVAE's MCC matches the 8 true causal latents against its whole 24-d latent (a choice that favours it).
-- The full profile's Norman et al. 2019 loader reads a Matrix Market export (`matrix.mtx` cells x genes, `obs.csv`
-  with a `condition` column "A+B" / "ctrl", as `scanpy`'s mtx/csv writers produce): anndata and h5py are not
-  installed here, so .h5ad cannot be read. MCC and mask F1 need the synthetic truth (0 on real data).
+- The full profile reads Norman et al. 2019 from an .h5ad file [load_norman_h5ad] (AnnData's HDF5 layout read
+  with h5py: anndata is not installed; raw counts from `layers/counts`, else `X`, refused unless integer-valued:
+  the decoders are negative-binomial) or from a Matrix Market export (`matrix.mtx` cells x genes, `obs.csv`)
+  [load_norman_mtx]; both with a `condition` column "A+B" / "A+ctrl" / "ctrl". MCC and mask F1 need the synthetic
+  truth (0 on real data).
 """
 
 from __future__ import annotations
@@ -56,8 +58,10 @@ MODELS = ("pvae", "cpa", "cvae", "no_mask", "no_adv")
 
 
 class Params(PaperParams):
-    dataset: Literal["synthetic", "norman_mtx"] = Field("synthetic", description="Generator, or the Norman export.")
-    dataset_dir: str = Field("", description="norman_mtx: folder with matrix.mtx and obs.csv.")
+    dataset: Literal["synthetic", "norman_h5ad", "norman_mtx"] = Field("synthetic", description="Generator, or "
+                                                                     "Norman et al. 2019 (.h5ad or mtx export).")
+    dataset_dir: str = Field("", description="norman_h5ad: the .h5ad file; norman_mtx: folder with matrix.mtx and "
+                                             "obs.csv.")
     genes: int = Field(200, ge=10, description="Genes G.")
     singles: int = Field(12, ge=2, description="Single perturbations K.")
     doubles: int = Field(20, ge=2, description="Double perturbations (half held out, OOD combinatorial).")
@@ -130,6 +134,51 @@ def load_norman_mtx(folder: Path) -> dict:
     counts = np.asarray(mmread(str(folder / "matrix.mtx")).todense()).astype(np.int64)
     with open(folder / "obs.csv") as f:
         cond = [r["condition"] for r in csv.DictReader(f)]
+    return _norman(counts, cond)
+
+
+def _h5ad_matrix(node) -> np.ndarray:
+    """An AnnData matrix: a dense dataset, or a csr/csc group (data, indices, indptr, attrs shape) -> dense."""
+    if not hasattr(node, "keys"):
+        return node[()]
+    from scipy.sparse import csc_matrix, csr_matrix
+
+    kind = node.attrs.get("encoding-type", node.attrs.get("h5sparse_format", "csr"))
+    kind = kind.decode() if isinstance(kind, bytes) else kind
+    make = csc_matrix if kind.startswith("csc") else csr_matrix
+    return make((node["data"][()], node["indices"][()], node["indptr"][()]), shape=tuple(node.attrs["shape"])).toarray()
+
+
+def _h5ad_column(obs, name: str) -> list[str]:
+    """An obs column: plain strings, a categorical group (codes, categories; anndata >= 0.8), or codes with
+    obs/__categories/<name> (anndata 0.7)."""
+    col = obs[name]
+    if hasattr(col, "keys"):
+        codes, cats = col["codes"][()], col["categories"][()]
+    elif "__categories" in obs and name in obs["__categories"]:
+        codes, cats = col[()], obs["__categories"][name][()]
+    else:
+        return [v.decode() if isinstance(v, bytes) else str(v) for v in col[()]]
+    cats = [c.decode() if isinstance(c, bytes) else str(c) for c in cats]
+    return [cats[c] for c in codes]
+
+
+def load_norman_h5ad(path: Path) -> dict:
+    """Norman et al. 2019 as an .h5ad file (GEARS' `perturb_processed.h5ad` or a scanpy export): raw counts from
+    `layers/counts` if present, else `X`; obs `condition` ("A+B", "A+ctrl", "ctrl")."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        x = _h5ad_matrix(f["layers"]["counts"] if "layers" in f and "counts" in f["layers"] else f["X"])
+        cond = _h5ad_column(f["obs"], "condition")
+    if not np.allclose(x, np.round(x)) or x.min() < 0:
+        raise ValueError(f"{path}: expression is not raw counts (normalised?); the decoders are negative-binomial: "
+                         "give an .h5ad with counts in X or layers/counts")
+    return _norman(np.round(x).astype(np.int64), cond)
+
+
+def _norman(counts: np.ndarray, cond: list[str]) -> dict:
+    """Conditions as sorted gene sets ("ctrl", "A", "A+B"); the second half of the doubles (sorted) held out."""
     cond = ["ctrl" if c == "ctrl" else "+".join(sorted(x for x in c.split("+") if x != "ctrl")) for c in cond]
     doubles = sorted({c for c in cond if "+" in c})
     held = set(doubles[len(doubles) // 2 :])
@@ -138,7 +187,10 @@ def load_norman_mtx(folder: Path) -> dict:
 
 
 def prepare(p: Params, out_dir: Path) -> None:
-    d = simulate(p) if p.dataset == "synthetic" else load_norman_mtx(input_path(p.dataset_dir))
+    if p.dataset == "synthetic":
+        d = simulate(p)
+    else:
+        d = (load_norman_h5ad if p.dataset == "norman_h5ad" else load_norman_mtx)(input_path(p.dataset_dir))
     cell, gene = np.nonzero(d["counts"])
     write_table(out_dir / "counts.parquet", {"cell_id": cell, "gene_id": gene, "count": d["counts"][cell, gene]})
     obs = {"cell_id": np.arange(len(d["cond"])), "perturbation": d["cond"], "split": d["split"],

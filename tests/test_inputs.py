@@ -174,14 +174,15 @@ def _hotpot(folder: Path) -> Path:
 
 
 def _norman(folder: Path) -> Path:
-    from scipy.io import mmwrite
-    from scipy.sparse import csr_matrix
+    """AnnData's .h5ad layout (dense X of counts, categorical obs.condition), written with h5py."""
+    import h5py
 
-    folder.mkdir()
     conds = ["ctrl", "A+ctrl", "B+ctrl", "C+ctrl", "A+B", "B+C", "A+C"]
-    mmwrite(str(folder / "matrix.mtx"), csr_matrix(np.random.default_rng(0).poisson(2, (70, 12))))
-    (folder / "obs.csv").write_text("cell,condition\n" + "".join(f"c{i},{conds[i % 7]}\n" for i in range(70)))
-    return folder
+    with h5py.File(folder / "norman.h5ad", "w") as f:
+        f["X"] = np.random.default_rng(0).poisson(2, (70, 12)).astype(np.float32)
+        col = f.create_group("obs").create_group("condition")
+        col["codes"], col["categories"] = np.arange(70) % 7, np.array(conds, dtype=h5py.string_dtype())
+    return folder / "norman.h5ad"
 
 
 def _tsp(folder: Path) -> Path:
@@ -207,7 +208,7 @@ def _d4rl(folder: Path) -> dict:
 REAL_DATA = {
     "async_rag": (("dataset",), "dataset_path", _hotpot),
     "spectral_schedule": (("dataset",), "dataset_dir", lambda d: _cifar(d / "cifar")),
-    "perturbed_vae": (("dataset",), "dataset_dir", lambda d: _norman(d / "norman")),
+    "perturbed_vae": (("dataset",), "dataset_dir", _norman),
     "qubo_relax": ((), "tsp_file", _tsp),
     "doit": ((), "d4rl", _d4rl),
     "quantile_mia": (("dataset",), "dataset_dir", lambda d: _cifar(d / "cifar")),

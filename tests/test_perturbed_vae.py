@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from scipy.stats import nbinom
 
@@ -113,3 +114,50 @@ def test_norman_mtx_loader(tmp_path):
     d = pv.load_norman_mtx(tmp_path)
     assert (d["counts"] == counts).all() and d["cond"].tolist() == ["ctrl", "A", "A+B", "B+C"]
     assert d["split"].tolist() == ["train", "train", "train", "test"]
+
+
+def _write_h5ad(path, counts, conditions, legacy=False, layer=False, x=None):
+    """AnnData's on-disk layout written with h5py (anndata itself is not installed): X (csr group) or
+    layers/counts, obs with a categorical `condition` (anndata >= 0.8 group, or 0.7 codes + __categories)."""
+    import h5py
+    from scipy.sparse import csr_matrix
+
+    cats = sorted(set(conditions))
+    with h5py.File(path, "w") as f:
+        f.attrs["encoding-type"] = "anndata"
+        m = csr_matrix(counts)
+        grp = f.create_group("layers").create_group("counts") if layer else f.create_group("X")
+        grp.attrs["encoding-type"], grp.attrs["shape"] = "csr_matrix", counts.shape
+        grp["data"], grp["indices"], grp["indptr"] = m.data.astype(np.float32), m.indices, m.indptr
+        if x is not None:
+            f["X"] = x
+        obs = f.create_group("obs")
+        obs["_index"] = np.array([f"cell{i}" for i in range(len(conditions))], dtype="S")
+        codes = np.array([cats.index(c) for c in conditions], np.int8)
+        if legacy:
+            obs["condition"] = codes
+            obs.create_group("__categories")["condition"] = np.array(cats, dtype="S")
+        else:
+            col = obs.create_group("condition")
+            col.attrs["encoding-type"] = "categorical"
+            col["codes"], col["categories"] = codes, np.array(cats, dtype=h5py.string_dtype())
+
+
+def test_norman_h5ad_loader(tmp_path):
+    counts = np.array([[0, 2, 1], [3, 0, 0], [1, 1, 1], [0, 0, 5]])
+    conditions = ["ctrl", "A+ctrl", "B+A", "C+B"]
+    _write_h5ad(tmp_path / "new.h5ad", counts, conditions)
+    _write_h5ad(tmp_path / "old.h5ad", counts, conditions, legacy=True)
+    for name in ("new.h5ad", "old.h5ad"):
+        d = pv.load_norman_h5ad(tmp_path / name)
+        assert (d["counts"] == counts).all() and d["cond"].tolist() == ["ctrl", "A", "A+B", "B+C"]
+        assert d["split"].tolist() == ["train", "train", "train", "test"] and d["library"].tolist() == [3, 3, 3, 5]
+    # GEARS keeps log-normalised values in X: the raw counts layer is read instead, and X alone is refused
+    _write_h5ad(tmp_path / "gears.h5ad", counts, conditions, layer=True, x=np.log1p(counts.astype(np.float32)))
+    assert (pv.load_norman_h5ad(tmp_path / "gears.h5ad")["counts"] == counts).all()
+    import h5py
+
+    with h5py.File(tmp_path / "gears.h5ad", "a") as f:
+        del f["layers"]
+    with pytest.raises(ValueError, match="not raw counts"):
+        pv.load_norman_h5ad(tmp_path / "gears.h5ad")
