@@ -71,8 +71,7 @@ SYNTHETIC: dict[str, str] = {
 
 # papers whose full profile reads declared inputs but still generates part of what the spec names
 PARTLY_SYNTHETIC: dict[str, str] = {
-    "qubo_relax": "knapsack and open-pit instances stay generated: NOT MineLib (no .blocks/.prec/.upit loader "
-                  "yet); only the large TSP is TSPLIB's",
+    "qubo_relax": "the knapsack instances stay generated (uniform, n = 1,000): Pisinger's instances are not wired",
     "doit": "the classic-control tasks are generated offline data; D4RL covers the MuJoCo medium sets "
             "(medium-replay / medium-expert via --set d4rl=...)",
     "async_rag": "HotpotQA only (2WikiMultihopQA / MuSiQue: --set dataset=2wiki|musique dataset_path=...)",

@@ -23,9 +23,10 @@ Deviations from the paper (the abstract states neither its conditions nor its co
 - "Feasible" is the original problem's constraint on the decision variables (knapsack: w^T x <= C; open pit: a
   closure; TSP: a permutation matrix), read from the final iterate rounded at 0.5.
 - C2 for instances above `enum_max` binaries (6-city TSP) is checked on sampled infeasible binaries only.
-- Full profile: larger synthetic knapsack / pit / TSP instances plus a TSPLIB EUC_2D loader [load_tsplib]
-  (distances not rounded to integers; Held-Karp only up to `exact_tsp_max` cities, no gap above). No MineLib
-  loader yet; Pisinger's generator is replaced by the same uniform generator at n = 1,000.
+- Full profile: a larger synthetic knapsack, MineLib's open pit [load_minelib: .upit profits + .prec precedences,
+  exact optimum by min cut] and a TSPLIB EUC_2D large TSP [load_tsplib] (distances not rounded to integers;
+  Held-Karp only up to `exact_tsp_max` cities, no gap above); Pisinger's generator is replaced by the same uniform
+  generator at n = 1,000.
 - Knapsack slack bits: ceil(log2(max C + 1)) over a problem's instances, so every gap 0..C is representable.
 - Penalties: knapsack P = 1 + max v; open pit P = max(-p, 0) + 1 (> the spec's bound); TSP P = max d + 1 and
   conflict weight lambda = 1.
@@ -67,6 +68,8 @@ class Params(PaperParams):
     enum_max: int = Field(65536, ge=2, description="Enumerate C2 when 2^n <= this; else sample.")
     c2_samples: int = Field(100000, ge=10, description="Sampled binaries for C2 above enum_max.")
     tsp_file: str = Field("", description="TSPLIB EUC_2D .tsp file: the large TSP becomes this one instance.")
+    minelib_file: str = Field("", description="MineLib .upit file (its .prec beside it): the open pit becomes this "
+                                              "one instance.")
     exact_tsp_max: int = Field(13, ge=3, description="Held-Karp only up to this many cities (else no gap).")
 
 
@@ -107,10 +110,20 @@ def pit_precedence(rows: int, cols: int) -> nx.DiGraph:
     return g
 
 
-def pit_qubo(profit, rows, cols, eps):
+def pit_graph(inst: dict) -> nx.DiGraph:
+    """An open-pit instance's precedences: the grid's, or a MineLib instance's own (`edges`: [b, a] = b needs a)."""
+    if "edges" not in inst:
+        return pit_precedence(inst["rows"], inst["cols"])
+    g = nx.DiGraph()
+    g.add_nodes_from(range(len(inst["profit"])))
+    g.add_edges_from(map(tuple, inst["edges"]))
+    return g
+
+
+def pit_qubo(profit, rows, cols, eps, graph: nx.DiGraph | None = None):
     """-p^T x + P sum_{b requires a} x_b (1 - x_a): naive over immediate precedences (zero diagonal), proposed
     over the transitive closure with a concave diagonal; P = max(-p, 0) + 1."""
-    g = pit_precedence(rows, cols)
+    g = graph if graph is not None else pit_precedence(rows, cols)
     big_p = max(-profit.min(), 0.0) + 1.0
     out = {}
     for name, edges in (("naive", g.edges), ("proposed", nx.transitive_closure_dag(g).edges)):
@@ -152,12 +165,12 @@ def knapsack_dp(w, v, cap) -> float:
     return float(best[-1])
 
 
-def pit_mincut(profit, rows, cols) -> float:
+def pit_mincut(profit, rows, cols, graph: nx.DiGraph | None = None) -> float:
     """Maximum-weight closure = sum of positive profits - min cut (Picard)."""
     g = nx.DiGraph()
     for b, p in enumerate(profit):
         g.add_edge("s", b, capacity=float(max(p, 0))) if p > 0 else g.add_edge(b, "t", capacity=float(-p))
-    for b, a in pit_precedence(rows, cols).edges:
+    for b, a in (graph if graph is not None else pit_precedence(rows, cols)).edges:
         g.add_edge(b, a, capacity=float("inf"))
     g.add_nodes_from(["s", "t"])
     return float(profit[profit > 0].sum() - nx.minimum_cut_value(g, "s", "t"))
@@ -204,11 +217,32 @@ def load_tsplib(path: Path) -> np.ndarray:
     return np.array(coords)
 
 
+def load_minelib(upit: Path) -> dict:
+    """A MineLib UPIT instance (Espinoza et al. 2013): block profits from `<name>.upit` (OBJECTIVE_FUNCTION
+    section, `<block> <profit>` lines) and precedences from `<name>.prec` beside it (`<block> <k> <pred 1..k>`:
+    the block needs its k predecessors). '%' starts a comment. -> {"profit": [...], "edges": [[b, a], ...]}."""
+    def rows(path: Path) -> list[list[str]]:
+        return [ln.split() for ln in Path(path).read_text().splitlines() if ln.strip() and not ln.startswith("%")]
+
+    head = {r[0].rstrip(":").upper(): r[1:] for r in rows(upit) if r[0].endswith(":")}
+    if head.get("TYPE", ["UPIT"])[0].upper() != "UPIT":
+        raise ValueError(f"{upit}: only TYPE UPIT instances are supported, got {head['TYPE'][0]}")
+    n = int(head["NBLOCKS"][0])
+    profit = np.full(n, np.nan)
+    for r in rows(upit):
+        if not r[0].endswith(":") and r[0].upper() != "EOF":
+            profit[int(r[0])] = float(r[1])
+    if np.isnan(profit).any():
+        raise ValueError(f"{upit}: {int(np.isnan(profit).sum())} of {n} blocks have no profit")
+    edges = [[int(r[0]), int(a)] for r in rows(Path(upit).with_suffix(".prec")) for a in r[2 : 2 + int(r[1])]]
+    return {"profit": profit.tolist(), "edges": edges}
+
+
 def formulations(problem: str, inst: dict, p: Params, bits: int = 0) -> dict:
     if problem == "knapsack":
         return knapsack_qubo(np.array(inst["w"], float), np.array(inst["v"], float), inst["C"], bits, p.eps)
     if problem == "pit":
-        return pit_qubo(np.array(inst["profit"]), inst["rows"], inst["cols"], p.eps)
+        return pit_qubo(np.array(inst["profit"]), inst.get("rows"), inst.get("cols"), p.eps, pit_graph(inst))
     xy = np.array(inst["coords"])
     return tsp_qubo(np.linalg.norm(xy[:, None] - xy[None], axis=-1), p.eps)
 
@@ -217,7 +251,7 @@ def optimum(problem: str, inst: dict, exact_max: int = 13) -> float:
     if problem == "knapsack":
         return knapsack_dp(np.array(inst["w"]), np.array(inst["v"], float), inst["C"])
     if problem == "pit":
-        return pit_mincut(np.array(inst["profit"]), inst["rows"], inst["cols"])
+        return pit_mincut(np.array(inst["profit"]), inst.get("rows"), inst.get("cols"), pit_graph(inst))
     xy = np.array(inst["coords"])
     return held_karp(np.linalg.norm(xy[:, None] - xy[None], axis=-1)) if len(xy) <= exact_max else float("nan")
 
@@ -231,6 +265,8 @@ def prepare(p: Params, out_dir: Path) -> None:
         insts = [make_instance(problem, rng, p) for _ in range(p.instances)]
         if problem == "tsp_large" and p.tsp_file:
             insts = [{"coords": load_tsplib(input_path(p.tsp_file)).tolist()}]
+        if problem == "pit" and p.minelib_file:
+            insts = [load_minelib(input_path(p.minelib_file))]
         bits = int(np.ceil(np.log2(max(i.get("C", 0) for i in insts) + 1)))  # slack covers every gap 0..C
         for inst in insts:
             iid = len(inst_cols["instance_id"])
@@ -281,7 +317,7 @@ def feasible(problem: str, inst: dict, z: np.ndarray) -> np.ndarray:
         k = len(inst["w"])
         return z[..., :k] @ np.array(inst["w"]) <= inst["C"]
     if problem == "pit":
-        edges = np.array(list(pit_precedence(inst["rows"], inst["cols"]).edges))
+        edges = np.array(list(pit_graph(inst).edges)).reshape(-1, 2)
         return (z[..., edges[:, 0]] <= z[..., edges[:, 1]]).all(-1)
     n = len(inst["coords"])
     x = z.reshape(*z.shape[:-1], n, n)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 import torch
 
 from models import qubo_relax as m
@@ -121,3 +122,33 @@ def test_tsplib_loader_reads_a_five_city_fixture(tmp_path):
     m.prepare(p, tmp_path)
     inst = m.load(tmp_path)["tsp_large"]
     assert len(inst) == 1 and len(inst[0]["naive"][1]) == 25 and np.isclose(inst[0]["optimum"], m.held_karp(d))
+
+
+def _minelib(folder):
+    """A 4-block MineLib UPIT instance: .upit (header, OBJECTIVE_FUNCTION) and .prec (block, k, predecessors)."""
+    (folder / "tiny.upit").write_text("% a MineLib-format fixture\nNAME: tiny\nTYPE: UPIT\nNBLOCKS: 4\n"
+                                      "OBJECTIVE_FUNCTION:\n0 -1.0\n1 -2.0\n2 5.0\n3 1.0\nEOF\n")
+    (folder / "tiny.prec").write_text("0 0\n1 0\n2 2 0 1\n3 1 1\n")
+    return folder / "tiny.upit"
+
+
+def test_minelib_loader_and_exact_optimum(tmp_path):
+    inst = m.load_minelib(_minelib(tmp_path))
+    assert inst["profit"] == [-1.0, -2.0, 5.0, 1.0] and sorted(inst["edges"]) == [[2, 0], [2, 1], [3, 1]]
+    assert m.optimum("pit", inst) == pytest.approx(3.0)  # all four blocks: -1 - 2 + 5 + 1
+    z = np.array([[1, 1, 1, 1], [0, 0, 1, 0], [0, 1, 0, 1]], float)
+    assert m.feasible("pit", inst, z).tolist() == [True, False, True]
+    forms = m.formulations("pit", inst, m.Params())
+    assert (np.diag(forms["proposed"][0]) < 0).all()
+    (tmp_path / "bad.upit").write_text("NAME: x\nTYPE: CPIT\nNBLOCKS: 1\n")
+    with pytest.raises(ValueError, match="UPIT"):
+        m.load_minelib(tmp_path / "bad.upit")
+
+
+def test_prepare_reads_minelib_for_the_open_pit(tmp_path):
+    p = m.Params(instances=2, minelib_file=str(_minelib(tmp_path)), starts=4, max_steps=10)
+    (tmp_path / "out").mkdir()
+    m.prepare(p, tmp_path / "out")
+    d = m.load(tmp_path / "out")
+    assert len(d["pit"]) == 1 and d["pit"][0]["optimum"] == pytest.approx(3.0)
+    assert len(d["pit"][0]["naive"][1]) == 4
