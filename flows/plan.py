@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import time
 from collections.abc import Mapping
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from models import registry
 from tasks import settings
 
 MAX_WORKERS = 2
+LIMIT_S = 60.0  # per paper, hard: the trace's own budget (tasks/planning.py BUDGET_S) ends most plans sooner
 
 
 def _cache() -> Path:
@@ -64,16 +65,54 @@ def _plan_one(args: tuple) -> dict[str, Any]:
 
 
 def plan_all(profile: str = "full", gpu: str | None = None, mfu: float | None = None,
-             ids: list[str] | None = None, workers: int = MAX_WORKERS) -> list[dict[str, Any]]:
-    """Every paper's plan as dicts (`Plan.to_dict`), in id order; a paper that failed to plan has `error`."""
+             ids: list[str] | None = None, workers: int = MAX_WORKERS,
+             limit_s: float = LIMIT_S) -> list[dict[str, Any]]:
+    """Every paper's plan as dicts (`Plan.to_dict`), in id order; a paper that failed to plan has `error`.
+    Each paper plans in its own forked process (`workers` at a time), ended after `limit_s` seconds: a paper
+    whose planning hangs in native code becomes a row saying so instead of stalling the table."""
     ids = ids or registry.paper_ids()
-    jobs = [(pid, profile, gpu, mfu) for pid in ids]
-    if workers <= 1:
-        return [_plan_one(j) for j in jobs]
-    # fork: the workers inherit the imports; each plans several papers, and planning patches nothing it keeps
-    ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
-    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        return list(pool.map(_plan_one, jobs))
+    import torch  # noqa: F401 - imported once here, inherited by every forked planner
+
+    import tasks.planning  # noqa: F401
+    for pid in ids:
+        registry.get(pid)
+    ctx = multiprocessing.get_context("fork")
+    results: dict[str, dict[str, Any]] = {}
+    running: dict[str, tuple[Any, Any, float]] = {}
+    todo = list(ids)
+    while todo or running:
+        while todo and len(running) < workers:
+            pid = todo.pop(0)
+            receive, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_plan_child, args=(send, (pid, profile, gpu, mfu)), daemon=True)
+            proc.start()
+            send.close()
+            running[pid] = (proc, receive, time.monotonic() + limit_s)
+        for pid, (proc, receive, deadline) in list(running.items()):
+            if receive.poll(0.05):
+                try:
+                    results[pid] = receive.recv()
+                except EOFError:  # the child died without answering
+                    results[pid] = {"paper": pid, "error": f"planning process died (exit code {proc.exitcode})"}
+            elif not proc.is_alive() and not receive.poll(0):
+                results[pid] = {"paper": pid, "error": f"planning process died (exit code {proc.exitcode})"}
+            elif time.monotonic() > deadline:
+                proc.kill()
+                results[pid] = {"paper": pid, "error": f"planning took over {limit_s:.0f} s"}
+            else:
+                continue
+            proc.join()
+            receive.close()
+            del running[pid]
+    return [results[pid] for pid in ids]
+
+
+def _plan_child(send, job: tuple) -> None:
+    try:
+        send.send(_plan_one(job))
+    finally:
+        send.close()
+        os._exit(0)  # skip the interpreter's teardown: the parent has the answer
 
 
 # ---- rendering ----------------------------------------------------------------------------------------------------

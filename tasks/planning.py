@@ -1,25 +1,27 @@
 """Plan a profile before a GPU is spent: the paper's own `train(ctx)` under a planning context, nothing allocated.
 
-`plan(paper_id, params)` runs `Paper.train` inside `torch._subclasses.FakeTensorMode`: every tensor the paper makes
-is a fake (shape, dtype, no storage), so a 10^9-parameter model costs nothing. `PlanContext` stands in for
-`tasks.context.TrainContext`: `engine(model)` only records the model, and `fit(...)` traces ONE training step of
-the phase (forward + backward of the rank's slice of the global batch) under `FlopCounterMode` and torch's
-`MemTracker`, records it with the phase's step count, and returns without training. The paper then goes on to its
-next phase. Python-level reads of a fake value (`float(loss)`, `.item()`) get a placeholder, so the control flow
-between phases runs; the first thing that cannot run on fakes (`.numpy()` of a result, a data-dependent loop that
-outlasts the time budget) ends the plan there, with the phases traced so far and the reason in `Plan.stopped`.
+`plan(paper_id, params)` runs `Paper.train` inside `torch._subclasses.FakeTensorMode`: every tensor the paper
+makes is a fake (shape and dtype, no storage), so a model of any size costs nothing. `PlanContext` stands in for
+`tasks.context.TrainContext`: `engine(model)` only wraps the model, and `fit(...)` traces ONE training step of the
+phase (forward + backward on the rank's slice of the global batch), counting FLOPs with `FlopCounterMode`'s
+formulas and the bytes alive at once, records it with the phase's step count and returns without training; the
+paper then goes on to its next phase. A Python read of a fake value (`float(loss)`, `.item()`) gets a
+placeholder and `.numpy()` zeros of the right shape, so the control flow between phases runs; the first thing
+that cannot run on fakes, or the time budget, ends the plan there: the phases traced so far stand and
+`Plan.stopped` says why.
 
-Data: planning never needs the profile's real data. The paper's `prepare` writes a planning copy with the profile's
-parameters except the data *amount and source* (`n_*` counts, dataset paths, encoders: the keys `data_overrides`
-names), which come from the paper's `test` profile; a batch drawn from it has the profile's row shape and batch
-size. The host memory of the full data is that copy's in-memory size scaled by the overridden counts (full / test,
-multiplied: an upper bound where counts add instead of multiply). Where that fails (a `prepare` that needs the real
-files at any size), the `test` profile's data is used and the plan says so.
+Data: planning never needs the profile's real data. The paper's `prepare` writes a planning copy with the
+profile's parameters except the data *amount and source* (counts such as `n_*`, dataset paths, encoders: the keys
+`_DATA_KEY` matches), which come from the paper's `test` profile; a batch drawn from it has the profile's row
+shape and batch size (indices past its rows are fine: the batch is fake). The host memory of the data is that
+copy's in-memory size, each table scaled by the overridden count it grows with (full / test), times the ranks on
+a node (each reads the tables). Where the profile's row shapes cannot be prepared without the real files, the
+`test` profile's data is used and the plan says so.
 
-Model states per rank follow DeepSpeed's own accounting (mixed precision: 2-byte weights and gradients, 4-byte
-master weights, 8 bytes of Adam moments; `estimate_zero2_model_states_mem_needs` /
-`estimate_zero3_model_states_mem_needs` for stages 2 and 3); fp32 training keeps 4-byte weights and gradients and no
-master copy. The activation peak is traced in fp32 and halved under bf16.
+Model states per rank follow DeepSpeed's accounting (mixed precision: 2-byte weights and gradients, 4-byte master
+weights, 8 bytes of Adam moments; `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs`
+for stages 2 and 3); fp32 training keeps 4-byte weights and gradients and no master copy. The activation peak is
+traced in fp32 and halved under bf16.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import re
 import signal
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -100,7 +104,7 @@ class Plan:
     bf16: bool
     mfu: float
     phases: list[Phase] = field(default_factory=list)
-    data_bytes: int = 0  # host memory the data needs (estimate at the profile's size)
+    data_bytes: int = 0  # host memory of a node for the data (tables at the profile's size x ranks on the node)
     data_note: str = ""
     stopped: str = ""  # why the trace ended before train() returned ("" when it returned)
     seconds: float = 0.0
@@ -129,10 +133,8 @@ class Plan:
         out = [f"phase {ph.name}: {gib(ph.rank_bytes)} per rank > {gib(limit)} usable on {self.gpu} "
                f"(weights {gib(ph.weights_bytes)}, grads {gib(ph.grads_bytes)}, optimizer {gib(ph.optimizer_bytes)}, "
                f"activations {gib(ph.activation_bytes)})" for ph in self.phases if ph.rank_bytes > limit]
-        host = HOST_RAM * self.nodes
-        if self.data_bytes > host * HEADROOM:
-            out.append(f"data: {gib(self.data_bytes)} of host memory > {gib(host * HEADROOM)} usable "
-                       f"({self.nodes} node(s) x {gib(HOST_RAM)})")
+        if self.data_bytes > HOST_RAM * HEADROOM:
+            out.append(f"data: {gib(self.data_bytes)} of host memory a node > {gib(HOST_RAM * HEADROOM)} usable")
         return out
 
     @property
@@ -231,7 +233,8 @@ class PlanContext:
 
     def fit(self, name: str, engine: _Engine, step_fn: Callable, batch_fn: Callable[[int], Mapping[str, Any]],
             num_steps: int, state: dict | None = None, log_every: int = 10) -> None:
-        from torch.utils.flop_counter import FlopCounterMode
+        from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+        from torch.nn.utils.stateless import _reparametrize_module
 
         if time.monotonic() > self.deadline:
             raise PlanStop(f"time budget spent before phase {name}")
@@ -239,13 +242,25 @@ class PlanContext:
             return
         model = engine.module
         torch.manual_seed(self.params.seed * 1_000_003)
-        local = {k: v[self.rank :: self.world_size].contiguous() for k, v in batch_fn(0).items()}
-        memory = _Allocations()
-        with FlopCounterMode(display=False) as flops, memory:
-            loss, _ = step_fn(engine, local, 0)
-            loss.backward()
-        grads = {p.grad.untyped_storage()._cdata for p in model.parameters() if p.grad is not None}
-        transient = memory.peak(exclude=grads)
+        step = _StepCounter()
+        mode = torch._guards.detect_fake_mode() or FakeTensorMode(allow_non_fake_inputs=True)
+        with contextlib.ExitStack() as stack:
+            if not torch._guards.detect_fake_mode():  # called outside `plan` (tests): fake it here
+                stack.enter_context(mode)
+                stack.enter_context(_Placeholders())
+                stack.enter_context(_fake_reads())
+            # a fake batch: its indices may point past the planning data's rows, its shape is the profile's
+            local = {k: v[self.rank :: self.world_size].contiguous() for k, v in batch_fn(0).items()}
+            real = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()]
+                    if not isinstance(t, FakeTensor)}  # weights made before the fake mode: fake copies for the step
+            fakes = {n: mode.from_tensor(t, static_shapes=True).requires_grad_(t.requires_grad)
+                     for n, t in real.items()}
+            with _reparametrize_module(model, fakes, strict=False), step:
+                loss, _ = step_fn(engine, local, 0)
+                loss.backward()
+            weights = [*fakes.values(), *(p for p in model.parameters() if isinstance(p, FakeTensor))]
+            grads = {t.grad.untyped_storage()._cdata for t in weights if t.grad is not None}
+        transient = step.peak(exclude=grads)
         trainable = [p for p in model.parameters() if p.requires_grad]
         largest = max((sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad)
                        for m in model.modules()), default=0)
@@ -253,7 +268,7 @@ class PlanContext:
             name=name, steps=int(num_steps), params=sum(p.numel() for p in trainable), largest_layer=largest,
             buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
             batch={k: list(v.shape) for k, v in local.items() if isinstance(v, torch.Tensor)},
-            flops_step=float(flops.get_total_flops()),
+            flops_step=float(step.flops),
             activation_bytes=int(transient * (0.5 if self.params.bf16 else 1.0))))
         engine.step()
 
@@ -271,17 +286,26 @@ class PlanContext:
             raise PlanStop("time budget spent")
 
 
-class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
-    """Bytes of the storages an op creates while the step runs, freed when the storage dies (weak references):
-    `peak(exclude)` is the largest total alive at once, leaving out the given storages (the gradients)."""
+class _StepCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """FLOPs and memory of one step. FLOPs: `FlopCounterMode`'s own per-op formulas (`flop_registry`: matmuls,
+    convolutions, attention), without its module hooks, which break a paper's `torch.autograd.grad`. Memory: bytes
+    of the storages an op creates, freed when the storage dies (weak references); `peak(exclude)` is the largest
+    total alive at once, leaving out the given storages (the gradients)."""
 
     def __init__(self):
         super().__init__()
+        self.flops = 0
         self.events: list[tuple[int, int]] = []  # (storage id, +bytes / -bytes)
         self._seen: dict[int, weakref.ref] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        from torch.utils.flop_counter import flop_registry
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        count = flop_registry.get(func._overloadpacket)
+        if count is not None:
+            self.flops += count(*args, **kwargs, out_val=out)
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
@@ -336,7 +360,7 @@ class _Placeholders(torch.utils._python_dispatch.TorchDispatchMode):
 @contextlib.contextmanager
 def _fake_reads():
     """`.numpy()` / `.tolist()` of a fake give zeros of its shape (results a paper keeps between phases), up to
-    `_MAX_READ` elements (a larger read would allocate for real, so it ends the plan); `torch.save` saves nothing."""
+    `_MAX_READ` elements (a larger read would allocate for real, so it ends the plan)."""
     import numpy as np
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -350,11 +374,9 @@ def _fake_reads():
     saved = {name: FakeTensor.__dict__.get(name) for name in ("numpy", "tolist")}
     FakeTensor.numpy = numpy
     FakeTensor.tolist = lambda self: numpy(self).tolist()
-    save, torch.save = torch.save, lambda *args, **kwargs: None  # results of a plan are not results
     try:
         yield
     finally:
-        torch.save = save
         for name, value in saved.items():
             if value is None:
                 delattr(FakeTensor, name)
@@ -363,6 +385,16 @@ def _fake_reads():
 
 
 _MAX_READ = 50_000_000
+
+
+@contextlib.contextmanager
+def _no_saves():
+    """`torch.save` writes nothing while a paper is planned: what it would save is an untrained model."""
+    save, torch.save = torch.save, lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        torch.save = save
 
 
 @contextlib.contextmanager
@@ -386,12 +418,13 @@ def _alarm(deadline: float):
 
 # ---- planning data ------------------------------------------------------------------------------------------------
 # keys that say how much data there is or where it comes from, not the shape of a row or of the model
-_DATA_KEY = re.compile(r"^(n_\w+|num_\w+|\w*_samples|samples|cells|docs|\w+_videos|n_clips|\w*_pairs|dataset|"
-                       r"\w+_dir|\w+_path|data_root|source|\w*encoder|embedder|body_model|karate|toy_\w+|"
-                       r"\w+_questions|\w+_entities|\w+_graphs|nodes_\w+|review_instances|gate2_instances|examples|"
-                       r"instances|holdout|pool_size|n_seed|n_external|\w+_transitions|episodes|n_drawings|"
-                       r"per_group\w*|images_per_step|test_fraction|lexicon|prompts|\w+_families|tv_contexts|"
-                       r"variants|seeds|n_mc|n_curve|n_obs|per_regime)$")
+_DATA_KEY = re.compile(
+    r"(n_samples|n_sources|n_obs|per_regime|n_questions|n_pairs|n_pairs_heldout|n_intents|n_attacked|docs|prompts|"
+    r"tv_contexts|lexicon|n_videos|test_contexts|n_train|n_test|n_val|n_eval|holdout|n_images|cells|n_docs|"
+    r"n_clips|n_molecules|n_transitions|toy_train|toy_exact|n_entities|n_seed|pool_size|n_external|n_drawings|"
+    r"n_sequences|n_nodes|n_mc|n_curve|train_M|n_targets|examples|eval_pairs|transfer_pairs|n_train_graphs|"
+    r"n_test_graphs|n_val_graphs|nodes_train|nodes_test|review_instances|gate2_instances|n_questions|"
+    r"dataset|\w+_dir|\w+_path|data_root|source|\w*encoder|embedder|body_model|karate)")
 
 
 def data_overrides(profile: Mapping[str, Any], test: Mapping[str, Any]) -> dict[str, Any]:
@@ -406,16 +439,29 @@ def data_overrides(profile: Mapping[str, Any], test: Mapping[str, Any]) -> dict[
     return out
 
 
-def _scale(profile: Mapping[str, Any], planned: Mapping[str, Any]) -> float:
-    """How much more data the profile has than its planning copy: the largest ratio of an overridden count (each
-    table grows with one count, the largest one the bound; a table whose rows are a product of counts is larger)."""
-    s = 1.0
+def _counts(profile: Mapping[str, Any], planned: Mapping[str, Any]) -> list[tuple[int, int]]:
+    """(planning value, profile value) of every overridden data count that grows (an int, or a list's largest)."""
+    def count(v):
+        if isinstance(v, list) and v and all(isinstance(x, int) for x in v):
+            v = max(v)
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    out = []
     for key, value in profile.items():
-        small = planned.get(key)
-        if (isinstance(value, int) and not isinstance(value, bool) and isinstance(small, int)
-                and not isinstance(small, bool) and 0 < small < value):
-            s = max(s, value / small)
-    return s
+        big, small = count(value), count(planned.get(key))
+        if _DATA_KEY.fullmatch(key) and big is not None and small is not None and 0 < small < big:
+            out.append((small, big))
+    return out
+
+
+def _table_scale(rows: int, counts: list[tuple[int, int]]) -> float:
+    """How much larger a table of `rows` planning rows is at the profile's size: it grows with the largest count
+    whose planning value divides its rows (rows = k x count), else with the largest ratio of any (an upper bound)."""
+    dividing = [(small, big) for small, big in counts if rows and rows % small == 0]
+    if dividing:
+        small, big = max(dividing)
+        return big / small
+    return max((big / small for small, big in counts), default=1.0)
 
 
 def _prepare_cached(paper, params: PaperParams, cache: Path) -> Path:
@@ -429,14 +475,16 @@ def _prepare_cached(paper, params: PaperParams, cache: Path) -> Path:
     return out
 
 
-def _table_bytes(folder: Path) -> int:
+def _table_bytes(folder: Path, counts: list[tuple[int, int]]) -> int:
+    """In-memory (uncompressed) bytes of the folder's tables, each scaled to the profile's size."""
     import pyarrow.parquet as pq
 
-    total = 0
+    total = 0.0
     for f in folder.glob("*.parquet"):
         md = pq.ParquetFile(f).metadata
-        total += sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))  # uncompressed
-    return total
+        size = sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))
+        total += size * _table_scale(md.num_rows, counts)
+    return int(total)
 
 
 def planning_data(paper, raw: Mapping[str, Any], test_raw: Mapping[str, Any], cache: Path) -> tuple[Path, int, str]:
@@ -448,13 +496,13 @@ def planning_data(paper, raw: Mapping[str, Any], test_raw: Mapping[str, Any], ca
         params = validate(paper, small, where=f"plan data of {paper.id}")
         folder = _prepare_cached(paper, params, cache)
         note = "profile's row shapes, test profile's data amount"
-        scaled = _scale(raw, small)
+        counts = _counts(raw, small)
     except Exception as e:  # noqa: BLE001 - a prepare that needs the real files: the test profile's data
         params = validate(paper, test_raw, where=f"papers.{paper.id}.test")
         folder = _prepare_cached(paper, params, cache)
         note = f"test profile's data ({type(e).__name__} with the profile's row shapes)"
-        scaled = _scale(raw, test_raw)
-    return folder, int(_table_bytes(folder) * scaled), note
+        counts = _counts(raw, test_raw)
+    return folder, _table_bytes(folder, counts), note
 
 
 # ---- planning one paper -------------------------------------------------------------------------------------------
@@ -470,22 +518,29 @@ def plan(paper_id: str, raw: Mapping[str, Any], test_raw: Mapping[str, Any], *, 
     paper = registry.get(paper_id)
     params = registry.validate(paper, raw, where=f"papers.{paper_id}.{profile}")
     t0 = time.monotonic()
-    data_dir, data_bytes, note = planning_data(paper, raw, test_raw, cache)
+    data_dir, table_bytes, note = planning_data(paper, raw, test_raw, cache)
+    per_node = min(params.ranks, GPUS_PER_NODE)  # every rank of a node reads the tables into its own memory
     result = Plan(paper=paper_id, profile=profile, gpu=gpu, ranks=params.ranks, zero_stage=params.zero_stage,
-                  bf16=params.bf16, mfu=mfu, data_bytes=data_bytes, data_note=note)
+                  bf16=params.bf16, mfu=mfu, data_bytes=table_bytes * per_node,
+                  data_note=f"{gib(table_bytes)} of tables x {per_node} rank(s) a node; {note}")
+    if not paper.learns:  # nothing trains, so nothing to trace: the plan is the data
+        result.seconds = time.monotonic() - t0
+        return result
     out_dir = cache / "out" / paper_id
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = PlanContext(params=params, data_dir=data_dir, out_dir=out_dir, world_size=params.ranks,
                       deadline=time.monotonic() + budget_s)
     threads = torch.get_num_threads()
     try:
-        with _alarm(ctx.deadline + 1), _fake_reads(), FakeTensorMode(allow_non_fake_inputs=True), \
+        with _alarm(ctx.deadline + 1), _no_saves(), _fake_reads(), FakeTensorMode(allow_non_fake_inputs=True), \
                 _Placeholders():
             paper.train(ctx)
     except PlanStop as e:
         result.stopped = str(e)
     except Exception as e:  # noqa: BLE001 - the first thing fakes cannot do ends the plan; traced phases stand
         result.stopped = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        if os.environ.get("PAPERLINE_PLAN_DEBUG"):
+            traceback.print_exc()
     finally:
         torch.set_num_threads(threads)
     for ph in ctx.phases:

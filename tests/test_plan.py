@@ -1,0 +1,124 @@
+"""`paperline plan`: the planning context traces one step per phase on fakes; every full profile fits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+from typer.testing import CliRunner
+
+from flows import plan as flow_plan
+from models import registry
+from models.contract import PaperParams
+from tasks import planning
+from tests.conftest import PROJECT
+
+GIB = 2**30
+
+
+class _Params(PaperParams):
+    pass
+
+
+def _ctx(tmp_path, ranks=1, bf16=False, zero_stage=0):
+    params = _Params(ranks=ranks, bf16=bf16, zero_stage=zero_stage)
+    return planning.PlanContext(params=params, data_dir=tmp_path, out_dir=tmp_path, world_size=ranks,
+                                deadline=float("inf"))
+
+
+def test_one_traced_step_counts_params_flops_and_activations_without_training(tmp_path):
+    ctx = _ctx(tmp_path, ranks=2)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+    before = [p.detach().clone() for p in model.parameters()]
+    engine = ctx.engine(model, lr=1e-3)
+
+    def step_fn(engine, batch, step):
+        loss = (engine(batch["x"]) - batch["y"]).square().mean()
+        return loss, {"loss": float(loss.detach())}  # a Python read of a fake value gets a placeholder
+
+    batch = lambda step: {"x": torch.randn(64, 256), "y": torch.randn(64, 256)}  # noqa: E731 - global batch
+    ctx.fit("mlp", engine, step_fn, batch, num_steps=1000)
+    (phase,) = ctx.phases
+    n = sum(p.numel() for p in model.parameters())
+    assert phase.params == n and phase.steps == 1000 and phase.batch == {"x": [32, 256], "y": [32, 256]}
+    # 2 FLOPs per weight and sample forward, 4 backward (2 for the first layer: the input needs no gradient), on the
+    # rank's 32 samples: FlopCounterMode's formulas
+    assert phase.flops_step == pytest.approx(32 * (4 + 6) * 256 * 1024, rel=0.01)
+    assert 32 * 1024 * 4 <= phase.activation_bytes < 64 * GIB // 2**10  # the hidden layer at least, and no more
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # nothing trained
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_model_states_follow_deepspeed_estimators():
+    p, big = 10**9, 5 * 10**7
+    _, zero2 = estimate_zero2_model_states_mem_needs(p, num_gpus_per_node=8, cpu_offload=False)
+    _, zero3, _ = estimate_zero3_model_states_mem_needs(p, big, num_gpus_per_node=8, cpu_offload=False,
+                                                        cpu_offload_params=False)
+    assert sum(planning.model_states(p, big, 8, 2, bf16=True)) == pytest.approx(zero2, rel=1e-6)
+    assert sum(planning.model_states(p, big, 8, 3, bf16=True)) == pytest.approx(zero3, rel=1e-6)
+    assert sum(planning.model_states(p, big, 8, 0, bf16=False)) == 16 * p  # fp32 weights, grads, Adam's two moments
+    w, g, o = planning.model_states(p, big, 8, 1, bf16=True)  # ZeRO-1: fp32 master + Adam partitioned
+    assert (w, g, o) == (2 * p + 4 * p // 8, 2 * p, 8 * p // 8)
+
+
+def test_a_rank_that_does_not_fit_is_refused_with_its_phase_and_number():
+    phase = planning.Phase(name="pretrain", steps=10, params=10**10, largest_layer=10**8, buffers=0, batch={},
+                           flops_step=1e12, activation_bytes=30 * GIB)
+    plan = planning.Plan(paper="x", profile="full", gpu="h100-80gb", ranks=8, zero_stage=1, bf16=True, mfu=0.35,
+                         phases=[phase])
+    phase.weights_bytes, phase.grads_bytes, phase.optimizer_bytes = planning.model_states(10**10, 10**8, 8, 1, True)
+    phase.rank_bytes = phase.weights_bytes + phase.grads_bytes + phase.optimizer_bytes + phase.activation_bytes
+    (problem,) = plan.problems()
+    assert problem.startswith("phase pretrain: ") and "GiB per rank" in problem and not plan.fits
+    assert plan.gpu_hours == pytest.approx(1e12 * 10 * 8 / (989e12 * 0.35) / 3600)
+    metrics = plan.metrics()
+    assert metrics["plan/fits"] == 0.0 and metrics["plan/pretrain/params"] == 1e10
+
+
+def test_cli_exits_1_naming_the_phase_when_a_rank_does_not_fit(monkeypatch):
+    from flows.cli import app
+
+    phase = planning.Phase(name="big", steps=1, params=10**11, largest_layer=1, buffers=0, batch={}, flops_step=1.0,
+                           activation_bytes=0, rank_bytes=500 * GIB)
+    plan = planning.Plan(paper="pacer", profile="full", gpu="h100-80gb", ranks=8, zero_stage=1, bf16=False,
+                         mfu=0.35, phases=[phase])
+    monkeypatch.setattr(flow_plan, "plan_paper", lambda *a, **k: plan)
+    result = CliRunner().invoke(app, ["plan", "pacer"])
+    assert result.exit_code == 1 and "phase big: 500.0 GiB per rank" in result.output
+    bad = CliRunner().invoke(app, ["plan", "pacer", "--set", "no_such_key=1"])
+    assert bad.exit_code == 2
+
+
+@pytest.fixture(scope="module")
+def every_plan():
+    return {p["paper"]: p for p in flow_plan.plan_all()}
+
+
+def test_every_full_profile_is_planned_and_fits(every_plan):
+    assert set(every_plan) == set(registry.paper_ids())
+    for pid, plan in every_plan.items():
+        assert "error" not in plan, (pid, plan.get("error"))
+        assert plan["fits"], (pid, plan["problems"])
+        if registry.get(pid).learns:  # at least its first training phase traced, with work in it
+            assert plan["phases"] and plan["phases"][0]["flops_step"] > 0, (pid, plan["stopped"])
+        assert all(math.isfinite(v) for v in (plan["gpu_hours"], plan["peak_rank_bytes"], plan["data_bytes"]))
+
+
+def test_the_report_has_one_row_per_paper(every_plan, tmp_path):
+    out = flow_plan.write_report(list(every_plan.values()), tmp_path / "plan.md")
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 1 + len(every_plan) and all(" | yes |" in r for r in rows[1:])
+
+
+def test_full_gpu_deployment_asks_for_the_plans_gpus(every_plan):
+    import yaml
+
+    config = yaml.safe_load((PROJECT / "prefect.yaml").read_text())
+    (deployment,) = [d for d in config["deployments"] if d["name"] == "full-gpu"]
+    paper = deployment["parameters"]["paper"]
+    assert "gpus" not in deployment["work_pool"]["job_variables"]  # not a fixed number: the plan's, per run
+    full = registry.resolve(paper, "full", None, PROJECT / "params.yaml")
+    assert every_plan[paper]["ranks"] == full.ranks
