@@ -12,6 +12,7 @@ Metrics are buffered and flushed to MLflow when a checkpoint commits, so steps r
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -301,32 +302,44 @@ _HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always
 
 
 def save_module(module: torch.nn.Module, path: Path) -> None:
-    """Save a module whole (torch.save of the module, on CPU, hooks left out), atomically; fall back to its state
-    dict when it does not pickle (a lambda or an open handle among its attributes)."""
-    import copy
+    """Save a module whole, atomically: its classes by reference (or by value when defined inside a function, as
+    cloudpickle does, like the loss closures a phase module may hold), parameters on CPU, without the hooks and
+    attributes DeepSpeed attached (they close over the engine). A module that still does not pickle is saved as its
+    state dict (with its class name), so the weights are there."""
     import pickle
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    saved = {}
-    for sub in module.modules():  # DeepSpeed's hooks close over the engine: never part of the network
-        saved[sub] = {h: getattr(sub, h) for h in _HOOKS if h in sub.__dict__}
-        for h in saved[sub]:
-            setattr(sub, h, type(saved[sub][h])())
     try:
-        try:
-            clean = copy.deepcopy(module).cpu()
-            for p in clean.parameters():  # attributes DeepSpeed attached to parameters (ids, flags) stay behind
-                p.__dict__.clear()
-            torch.save({"module": clean, "class": _qualname(module)}, tmp)
-        except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as e:
-            state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
-            torch.save({"state_dict": state, "class": _qualname(module), "why": f"{type(e).__name__}: {e}"}, tmp)
-    finally:
-        for sub, hooks in saved.items():
-            for h, value in hooks.items():
-                setattr(sub, h, value)
+        torch.save({"module": module, "class": _qualname(module)}, tmp, pickle_module=_network_pickle())
+    except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as e:
+        state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+        torch.save({"state_dict": state, "class": _qualname(module), "why": f"{type(e).__name__}: {e}"}, tmp)
     os.replace(tmp, path)
+
+
+@functools.cache
+def _network_pickle():
+    """A pickle module for torch.save: cloudpickle's pickler, with every nn.Module reduced without its hooks and
+    every parameter as a plain CPU parameter (DeepSpeed's ids and flags left behind). Loads with plain pickle."""
+    import copyreg
+    import pickle
+    import types
+    from collections import OrderedDict
+
+    import cloudpickle
+
+    class NetworkPickler(cloudpickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, torch.nn.Parameter):
+                return torch._utils._rebuild_parameter, (obj.detach().cpu(), obj.requires_grad, OrderedDict())
+            if isinstance(obj, torch.nn.Module):
+                state = {k: (OrderedDict() if k in _HOOKS else v) for k, v in obj.__dict__.items()}
+                return copyreg._reconstructor, (type(obj), object, None), state
+            return super().reducer_override(obj)
+
+    return types.SimpleNamespace(__name__="paperline_network_pickle", Pickler=NetworkPickler,
+                                 Unpickler=pickle.Unpickler, dump=pickle.dump, load=pickle.load)
 
 
 def _qualname(module: torch.nn.Module) -> str:
