@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -41,36 +42,82 @@ def _chromium(url: str, profile_dir, action: str = "--dump-dom") -> str:
     return out.stdout
 
 
-def test_mlflow_ui_shows_run_claim_and_metric_chart(workspace, tmp_path, prefect_harness):
+def _up(url: str, proc: subprocess.Popen, what: str, seconds: float = 240) -> None:
+    deadline = time.time() + seconds
+    while True:
+        try:
+            if urllib.request.urlopen(url, timeout=2).status == 200:
+                return
+        except OSError:
+            assert time.time() < deadline and proc.poll() is None, f"{what} did not come up"
+            time.sleep(0.5)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def test_both_uis_as_a_person_sees_them(workspace, tmp_path):
+    """`paperline server --port N` (Prefect, its UI talking to port N) and `paperline ui` (MLflow) after one run:
+    Prefect's runs page lists the run by its name, MLflow's run page opens in the model-training view with the
+    claim and the metric charts."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     from flows.pipeline import paper_pipeline
 
-    result = paper_pipeline("sei", "test")
-    exp_id = tracking.experiment_id("sei")
-    port = free_port()
-    env = {**os.environ, "PAPERLINE_ROOT": str(workspace)}
-    ui = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--port", str(port)], env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    chromium_binary()  # skip before starting anything when it is missing (not root)
+    prefect_port, port = free_port(), free_port()
+    api = f"http://127.0.0.1:{prefect_port}/api"
+    env = {**os.environ, "PAPERLINE_ROOT": str(workspace), "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env.pop("PREFECT_API_URL", None)
+    server = subprocess.Popen([sys.executable, "-m", "flows.cli", "server", "--port", str(prefect_port)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    ui = None
     try:
-        deadline = time.time() + 240
-        while True:
-            try:
-                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                assert time.time() < deadline and ui.poll() is None, "paperline ui did not come up"
-                time.sleep(0.5)
-        run_url = f"http://127.0.0.1:{port}/#/experiments/{exp_id}/runs/{result['run_id']}"
-        overview = _chromium(run_url, tmp_path / "chromium")
-        assert "sei-test" in overview and "claim.holds" in overview and "method/cnn_auroc" in overview
+        _up(f"{api}/health", server, "paperline server")
+        ui_settings = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{prefect_port}/ui-settings").read())
+        assert ui_settings["api_url"] == api  # the UI talks to this server, not to the default port 4200
+        with temporary_settings({PREFECT_API_URL: api}):
+            result = paper_pipeline("sei", "test")
+        exp_id = tracking.experiment_id("sei")
+        assert tracking.client().get_experiment(exp_id).tags["mlflow.experimentKind"] == "custom_model_development"
+
+        from prefect.client.orchestration import SyncPrefectClient
+
+        with SyncPrefectClient(api) as client:
+            names = [r.name for r in client.read_flow_runs()]
+        assert "sei-test" in names, names  # flow runs are named <paper>-<profile>
+        for _ in range(3):  # the list renders after the API answers: a busy machine can miss the budget
+            runs_page = _chromium(f"http://127.0.0.1:{prefect_port}/runs", tmp_path / "chromium")
+            if "sei-test" in runs_page:
+                break
+        assert "sei-test" in runs_page, "Prefect's runs page does not list the flow run by its name"
+
+        ui = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--port", str(port)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        _up(f"http://127.0.0.1:{port}/health", ui, "paperline ui")
+        base = f"http://127.0.0.1:{port}"
+        overview = _chromium(tracking.ui_link(base, exp_id, result["run_id"]), tmp_path / "chromium")
+        assert "sei-test" in overview and "claim." in overview and "method/cnn_auroc" in overview
+        # the model-training view: runs, models and metric charts; not GenAI's judges, prompts and agents
+        assert "Model metrics" in overview and "Model registry" in overview
+        assert not [w for w in ("Judges", "Agent versions", "Token Usage") if w in overview]
+        charts_url = tracking.ui_link(base, exp_id, result["run_id"], tab="model-metrics")
         for _ in range(3):  # plotly renders after the metric histories load: a busy machine can miss the budget
-            charts = _chromium(run_url + "/model-metrics", tmp_path / "chromium")
+            charts = _chromium(charts_url, tmp_path / "chromium")
             if "js-plotly-plot" in charts:
                 break
         assert "js-plotly-plot" in charts, "the metric charts did not render"
         shots = PROJECT / "test-artifacts"
         shots.mkdir(exist_ok=True)
-        _chromium(run_url + "/model-metrics", tmp_path / "chromium", f"--screenshot={shots / 'mlflow-ui.png'}")
+        _chromium(charts_url, tmp_path / "chromium", f"--screenshot={shots / 'mlflow-ui.png'}")
         assert (shots / "mlflow-ui.png").stat().st_size > 10_000
     finally:
-        os.killpg(ui.pid, signal.SIGTERM)
-        ui.wait(timeout=60)
+        for proc in (ui, server):
+            if proc is not None:
+                _stop(proc)
