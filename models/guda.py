@@ -26,12 +26,15 @@ Deviations from the paper (choices the spec left open):
   training examples with the first 4 pairs. Both are evaluate-time computations with torch.func, not trained nets.
 - Wall-clock cost is not separable per network in lock-step training, so the speedup is in optimiser steps
   (network-steps: LOGO G x steps x seeds, GUDA G x U).
-- Not implemented yet: the 30 style groups and the CIFAR-10 loader of the full profile.
+- Full profile: CIFAR-10 (python pickles, [load_cifar10]), one group per class, 3x32x32 images through the same
+  networks (input channels and sizes from the data). Not implemented: the spec's 30 style groups.
 """
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -48,10 +51,13 @@ from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
 
 METHODS = ("guda", "similarity", "gradient", "instance_unlearn")
+SHAPES = {"digits": (1, 8, 8), "cifar10": (3, 32, 32)}  # (C, H, W) of each image source
 
 
 class Params(PaperParams):
-    n_groups: int = Field(5, ge=2, le=10, description="Digit classes 0..n_groups-1; each class is a group.")
+    dataset: Literal["digits", "cifar10"] = Field("digits", description="sklearn digits, or CIFAR-10 (full).")
+    dataset_dir: str = Field("", description="cifar10: folder holding data_batch_1..5 (python pickles).")
+    n_groups: int = Field(5, ge=2, le=10, description="Classes 0..n_groups-1; each class is a group.")
     per_group: int = Field(0, ge=0, description="Images per group (first of a seeded shuffle); 0 = all.")
     channels: tuple[int, ...] = Field((16, 32), min_length=1, description="U-Net channels per level.")
     ddpm_steps: int = Field(200, ge=10, description="T of the linear DDPM schedule.")
@@ -73,36 +79,56 @@ class Params(PaperParams):
 
 
 # ---- data -----------------------------------------------------------------------------------------------------
+def load_cifar10(folder: Path) -> tuple[np.ndarray, np.ndarray]:
+    """CIFAR-10 python pickles (data_batch_*): images (N, 3072) uint8 channel-major, labels (N,)."""
+    data, labels = [], []
+    for path in sorted(folder.glob("data_batch_*")):
+        with open(path, "rb") as fh:
+            batch = pickle.load(fh, encoding="bytes")
+        data.append(np.asarray(batch[b"data"], np.uint8))
+        labels.append(np.asarray(batch[b"labels"], np.int64))
+    if not data:
+        raise FileNotFoundError(f"no data_batch_* pickles in {folder}")
+    return np.concatenate(data), np.concatenate(labels)
+
+
 def prepare(p: Params, out_dir: Path) -> None:
-    digits = load_digits()
+    if p.dataset == "digits":
+        digits = load_digits()
+        images, labels, scale = digits.data, digits.target, 8.0  # [0, 16] -> [-1, 1]
+    else:
+        from models.inputs import input_path  # relative paths: from the project root
+
+        (images, labels), scale = load_cifar10(input_path(p.dataset_dir)), 127.5  # [0, 255] -> [-1, 1]
     rng = np.random.default_rng(p.seed)
     keep = []
     for g in range(p.n_groups):
-        members = rng.permutation(np.flatnonzero(digits.target == g))
+        members = rng.permutation(np.flatnonzero(labels == g))
         keep.append(members[: p.per_group or None])
     idx = np.concatenate(keep)
-    pixels = (digits.data[idx] / 8.0 - 1.0).astype(np.float32)  # [0, 16] -> [-1, 1]
-    write_table(out_dir / "images.parquet", {"image_id": np.arange(len(idx)), "group": digits.target[idx],
+    pixels = (images[idx] / scale - 1.0).astype(np.float32)
+    write_table(out_dir / "images.parquet", {"image_id": np.arange(len(idx)), "group": labels[idx],
                                              "pixels": pixels})
     t = rng.integers(0, p.ddpm_steps, p.score_pairs)
-    eps = rng.standard_normal((p.score_pairs, 64)).astype(np.float32)
+    eps = rng.standard_normal((p.score_pairs, int(np.prod(SHAPES[p.dataset])))).astype(np.float32)
     write_table(out_dir / "score_noise.parquet", {"k": np.arange(p.score_pairs), "t": t, "eps": eps})
 
 
-def _load(data_dir: Path) -> dict:
+def _load(data_dir: Path, p: Params) -> dict:
     t, s = read_table(data_dir / "images.parquet"), read_table(data_dir / "score_noise.parquet")
     col = lambda table, name: torch.from_numpy(table[name].copy())  # noqa: E731  (parquet arrays are read-only)
-    return {"x": col(t, "pixels").view(-1, 1, 8, 8), "group": col(t, "group").long(),
-            "t": col(s, "t").long(), "eps": col(s, "eps").view(-1, 1, 8, 8)}
+    shape = SHAPES[p.dataset]
+    return {"x": col(t, "pixels").view(-1, *shape), "group": col(t, "group").long(),
+            "t": col(s, "t").long(), "eps": col(s, "eps").view(-1, *shape)}
 
 
 # ---- networks ----------------------------------------------------------------------------------------------------
 class Classifier(nn.Module):
-    """Small CNN digit classifier; its penultimate features are the similarity baseline's space."""
+    """Small CNN classifier; its penultimate features are the similarity baseline's space."""
 
-    def __init__(self, n_classes: int):
+    def __init__(self, n_classes: int, in_ch: int = 1):
         super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1),
+        self.features = nn.Sequential(nn.Conv2d(in_ch, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1),
                                       nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten())  # (B, 128)
         self.head = nn.Linear(128, n_classes)
 
@@ -122,14 +148,15 @@ class Phase1(nn.Module):
     def __init__(self, p: Params):
         super().__init__()
         self.p = p
+        c = SHAPES[p.dataset][0]
         nets = {}
         for s in range(p.logo_seeds):
-            nets[f"full_s{s}"] = dm.SmallUNet(1, 1, p.channels)
+            nets[f"full_s{s}"] = dm.SmallUNet(c, c, p.channels)
             for g in range(p.n_groups):
-                nets[f"logo{g}_s{s}"] = dm.SmallUNet(1, 1, p.channels)
+                nets[f"logo{g}_s{s}"] = dm.SmallUNet(c, c, p.channels)
                 nets[f"logo{g}_s{s}"].load_state_dict(nets[f"full_s{s}"].state_dict())  # same initialisation
         self.nets = nn.ModuleDict(nets)
-        self.classifier = Classifier(p.n_groups)
+        self.classifier = Classifier(p.n_groups, c)
         self.register_buffer("alphas_cumprod", dm.ddpm_scheduler(p.ddpm_steps).alphas_cumprod.float())
 
     def forward(self, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -148,7 +175,8 @@ class Unlearn(nn.Module):
     def __init__(self, p: Params, full_state: dict):
         super().__init__()
         self.p = p
-        self.nets = nn.ModuleDict({f"unl{g}": dm.SmallUNet(1, 1, p.channels) for g in range(p.n_groups)})
+        c = SHAPES[p.dataset][0]
+        self.nets = nn.ModuleDict({f"unl{g}": dm.SmallUNet(c, c, p.channels) for g in range(p.n_groups)})
         for net in self.nets.values():
             net.load_state_dict(full_state)
         self.register_buffer("alphas_cumprod", dm.ddpm_scheduler(p.ddpm_steps).alphas_cumprod.float())
@@ -178,7 +206,7 @@ def _batches(p: Params, d: dict, seed: int, balanced: bool):
             idx = torch.randint(0, n, (p.batch_size,), generator=g)
         return {"x": d["x"][idx], "group": d["group"][idx],
                 "t": torch.randint(0, p.ddpm_steps, (len(idx),), generator=g),
-                "noise": torch.randn(len(idx), 1, 8, 8, generator=g)}
+                "noise": torch.randn(len(idx), *SHAPES[p.dataset], generator=g)}
 
     return batch_fn
 
@@ -190,7 +218,7 @@ def _step_fn(engine, batch, step):
 
 def train(ctx) -> None:
     p: Params = ctx.params
-    d = _load(ctx.data_dir)
+    d = _load(ctx.data_dir, p)
     phase1 = Phase1(p)
     ctx.progress(f"phase 1: theta*, {p.n_groups * p.logo_seeds} LOGO retrainings and the classifier in lock-step")
     ctx.fit("full_logo", ctx.engine(phase1, p.lr), _step_fn, _batches(p, d, p.seed, False), p.steps)
@@ -200,7 +228,7 @@ def train(ctx) -> None:
             p.unlearn_steps)
     if ctx.rank == 0:
         torch.save({"phase1": phase1.state_dict(), "unlearn": unlearn.state_dict()}, ctx.out_dir / "models.pt")
-        x = torch.randn(p.n_generated, 1, 8, 8, generator=torch.Generator().manual_seed(p.seed + 5))
+        x = torch.randn(p.n_generated, *SHAPES[p.dataset], generator=torch.Generator().manual_seed(p.seed + 5))
         net = phase1.nets["full_s0"].eval()
         gen = dm.ddim_sample(lambda x_t, t: net(x_t, t.float() / p.ddpm_steps), x, p.ddpm_steps, p.ddim_steps)
         write_table(ctx.out_dir / "generated.parquet", {"sample_id": np.arange(p.n_generated),
@@ -211,9 +239,9 @@ def train(ctx) -> None:
 @torch.no_grad()
 def elbo(net: nn.Module, x: torch.Tensor, t: torch.Tensor, eps: torch.Tensor, weights: torch.Tensor,
          alphas_cumprod: torch.Tensor, total: int) -> torch.Tensor:
-    """Negative ELBO (up to a constant) of each x (S, 1, 8, 8) with the shared K pairs: T mean_k w_t ||.||^2."""
+    """Negative ELBO (up to a constant) of each x (S, C, H, W) with the shared K pairs: T mean_k w_t ||.||^2."""
     s, k = x.shape[0], t.shape[0]
-    xs = x.repeat_interleave(k, 0)  # (S K, 1, 8, 8)
+    xs = x.repeat_interleave(k, 0)  # (S K, C, H, W)
     ts, es = t.repeat(s), eps.repeat(s, 1, 1, 1)
     err = (net(dm.q_sample(xs, ts, es, alphas_cumprod), ts.float() / total) - es).pow(2).flatten(1).sum(1)
     return total * (weights[ts] * err).view(s, k).mean(1)  # (S,)
@@ -230,7 +258,7 @@ def similarity_scores(classifier: Classifier, gen: torch.Tensor, train_x: torch.
 
 
 def _per_example_loss(net, params, x, t, eps, alphas_cumprod, total):
-    """Diffusion loss of one example x (1, 8, 8) averaged over the given (t, eps) pairs."""
+    """Diffusion loss of one example x (C, H, W) averaged over the given (t, eps) pairs."""
     xs = x[None].expand(len(t), -1, -1, -1)
     pred = functional_call(net, params, (dm.q_sample(xs, t, eps, alphas_cumprod), t.float() / total))
     return (pred - eps).pow(2).mean()
@@ -283,13 +311,13 @@ def agreement(scores: np.ndarray, logo: np.ndarray) -> dict[str, float]:
 # ---- evaluation ----------------------------------------------------------------------------------------------------
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
-    d = _load(ctx.data_dir)
+    d = _load(ctx.data_dir, p)
     saved = torch.load(ctx.out_dir / "models.pt", weights_only=True)
     phase1, unlearn = Phase1(p), Unlearn(p, Phase1(p).nets["full_s0"].state_dict())
     phase1.load_state_dict(saved["phase1"])
     unlearn.load_state_dict(saved["unlearn"])
     phase1.eval(), unlearn.eval()
-    gen = torch.from_numpy(read_table(ctx.out_dir / "generated.parquet")["pixels"]).view(-1, 1, 8, 8)
+    gen = torch.from_numpy(read_table(ctx.out_dir / "generated.parquet")["pixels"]).view(-1, *SHAPES[p.dataset])
     ab = phase1.alphas_cumprod
     w = dm.ddpm_elbo_weights(ab)
     score = lambda net: elbo(net, gen, d["t"], d["eps"], w, ab, p.ddpm_steps).numpy()  # noqa: E731

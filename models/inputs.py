@@ -58,7 +58,6 @@ SYNTHETIC: dict[str, str] = {
                  "Physics-IQ (the reader load_physics_iq is tested, but Physics-IQ gives no trajectories)",
     "t3_video": "synthetic sprite videos; the paper's 4K clips are not public (the clip-folder loader reads your "
                 "own: --set clip_dir=...)",
-    "guda": "synthetic digit and style groups; NOT the spec's CIFAR-10 stage (no CIFAR loader in this module yet)",
     "sslogic": "synthetic puzzle families generated in prepare; NOT SynLogic / KORBench (the JSONL suite loader "
                "reads converted files with --set dataset=jsonl eval_path=...)",
     "repa_p": "Darcy flow and electrostatics solved in prepare; NOT the PIDM Darcy, channel-flow or topology "
@@ -71,6 +70,7 @@ SYNTHETIC: dict[str, str] = {
 
 # papers whose full profile reads declared inputs but still generates part of what the spec names
 PARTLY_SYNTHETIC: dict[str, str] = {
+    "guda": "CIFAR-10 class groups only: the spec's 10 digit groups run in smoke, its 30 style groups are not built",
     "qubo_relax": "the knapsack instances stay generated (uniform, n = 1,000): Pisinger's instances are not wired",
     "doit": "the classic-control tasks are generated offline data; D4RL covers the MuJoCo medium sets "
             "(medium-replay / medium-expert via --set d4rl=...)",

@@ -89,3 +89,24 @@ def test_baselines_attribute_a_copied_training_image_to_its_group():
     assert grad_s.argmax(1).tolist() == [2, 0] and np.allclose(grad_s.max(1), 1.0, atol=1e-5)  # cosine with itself
     still = guda.instance_scores(net, gen, train_x, groups, t, eps, ab, 20, 3, steps=2, lr=0.0)
     assert still.shape == (2, 3) and np.allclose(still, 0.0)
+
+
+def test_cifar10_loader_and_prepare_on_a_pickle_fixture(tmp_path):
+    """Full profile: CIFAR-10 python pickles -> one group per class, 3x32x32 images in [-1, 1]."""
+    import pickle
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (12, 3072), dtype=np.uint8)
+    for i in (1, 2):
+        with open(tmp_path / f"data_batch_{i}", "wb") as fh:
+            pickle.dump({b"data": raw[6 * (i - 1) : 6 * i], b"labels": [0, 1, 2, 0, 1, 2]}, fh)
+    x, y = guda.load_cifar10(tmp_path)
+    assert x.shape == (12, 3072) and y.tolist() == [0, 1, 2] * 4
+    p = guda.Params(dataset="cifar10", dataset_dir=str(tmp_path), n_groups=3, per_group=2, score_pairs=4)
+    (tmp_path / "out").mkdir()
+    guda.prepare(p, tmp_path / "out")
+    d = guda._load(tmp_path / "out", p)
+    assert d["x"].shape == (6, 3, 32, 32) and d["eps"].shape == (4, 3, 32, 32)
+    assert sorted(d["group"].tolist()) == [0, 0, 1, 1, 2, 2] and d["x"].abs().max() <= 1
+    net = guda.Phase1(p)  # networks take their channels from the data source
+    assert net.classifier(d["x"]).shape == (6, 3)

@@ -212,6 +212,7 @@ REAL_DATA = {
     "qubo_relax": ((), "tsp_file", _tsp),
     "doit": ((), "d4rl", _d4rl),
     "quantile_mia": (("dataset",), "dataset_dir", lambda d: _cifar(d / "cifar")),
+    "guda": (("dataset",), "dataset_dir", lambda d: _cifar(d / "cifar")),
 }
 
 
