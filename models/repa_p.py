@@ -31,7 +31,8 @@ Deviations from the paper (choices the spec left open):
 - The validation residual for the convergence speedup is that of one-step x0_hat on a fixed batch at fixed
   t in [1, T/5] with fixed noise, logged every 25 steps.
 - Intermediate heads are supervised by the physics residual only (teacher-free): K and p are both decoded.
-- The claim's constant bounds: speedup >= 1, param ratio == 1, time ratio in 1 +/- 0.03.
+- The claim's constant bound: speedup >= 1. Zero inference cost (param ratio == 1 at sampling) holds by
+  construction and is context; the wall-clock time ratio is logged, not claimed (a loaded CPU decides it).
 - Not implemented yet: the DiT backbone and the loaders for the PIDM CSV, channel-flow and topology formats.
 - Honest limit (spec): at 16x16 the U-Net is shallow, so intermediate supervision may add little.
 """
@@ -439,11 +440,10 @@ PAPER = Paper(
         Compare("method/residual", "<", "baseline/pidm/residual"),
         Compare("method/ood_residual", "<", "baseline/pidm/ood_residual"),
         Compare("method/speedup", ">=", 1.0),
+        Compare("method/residual", "<", "baseline/intermediate_only/residual"),
+    ), context=(  # the same sampling network by construction: zero inference cost is shown, not tested (issue 22)
         Compare("method/param_ratio", "<=", 1.0),
         Compare("method/param_ratio", ">=", 1.0),
-        Compare("method/time_ratio", "<=", 1.03),
-        Compare("method/time_ratio", ">=", 0.97),
-        Compare("method/residual", "<", "baseline/intermediate_only/residual"),
     ), summary="REPA-P lowers ID and OOD residuals vs PIDM, converges no slower, adds no inference cost, and beats "
                "intermediate-only"),
 )
