@@ -157,7 +157,6 @@ class TrainContext:
             self.progress(f"phase {name}: resumed at step {start}/{num_steps}")
             self.sink.add({f"train/{name}/resumed_at_step": start}, start)
         every = self.params.checkpoint_every
-        t0 = time.perf_counter()
         bar = PhaseProgress(self, name, start, num_steps)
         for step in range(start, num_steps):
             torch.manual_seed(self.params.seed * 1_000_003 + step)  # dropout etc. depend on the step only
@@ -175,8 +174,7 @@ class TrainContext:
             bar.update(step + 1, last)
             if (step + 1) % every == 0 or step + 1 == num_steps:
                 self._checkpoint(ckpt_dir, engine, step + 1, state, window)
-        rate = (num_steps - start) / max(time.perf_counter() - t0, 1e-9)
-        bar.done(f"phase {name}: {num_steps - start} steps in {time.perf_counter() - t0:.1f} s ({rate:.1f} it/s)")
+        bar.done(last)
         self._save_network(name, engine)
 
     def _save_network(self, name: str, engine: Any) -> None:
@@ -284,7 +282,7 @@ class PhaseProgress:
                 print(PROGRESS_TAG + json.dumps({"label": self.ctx.label, "phase": self.phase, "step": step,
                                                  "start": self.start, "total": self.total, "loss": loss}),
                       file=sys.stderr, flush=True)
-        elif step > self.start and (step % self.every == 0 or step == self.total):
+        elif self.start < step < self.total and step % self.every == 0:
             rate = (step - self.start) / max(now - self.t0, 1e-9)
             shown = "" if loss is None else f" loss {loss:.4f}"
             self.ctx.progress(f"phase {self.phase}: step {step}/{self.total}{shown} ({rate:.1f} it/s)")
@@ -292,8 +290,12 @@ class PhaseProgress:
     def update(self, step: int, loss: float | None) -> None:
         self._emit(step, loss, force=step == self.total)
 
-    def done(self, summary: str) -> None:
-        self.ctx.progress(summary)
+    def done(self, loss: float) -> None:
+        """One plain line at the end of the phase, in both modes: what a log reader looks for."""
+        elapsed = time.perf_counter() - self.t0
+        steps = self.total - self.start
+        self.ctx.progress(f"phase {self.phase}: step {self.total}/{self.total} loss {loss:.4f} ({steps} steps in "
+                          f"{elapsed:.1f} s, {steps / max(elapsed, 1e-9):.1f} it/s)")
 
 
 _HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",

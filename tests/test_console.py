@@ -41,10 +41,10 @@ def test_rank_progress_lines_render_as_a_bar_or_as_tenths(monkeypatch, capsys, t
     bars = PhaseBars(tty)
     for info in infos:
         bars.show(info)
-    bars.print("[sei train] phase detect: 50 steps in 1.0 s\n")
+    bars.print("[sei train] phase detect: step 50/50 loss 0.0200 (50 steps in 1.0 s, 50.0 it/s)\n")
     bars.close()
     out = tty.getvalue()
-    assert "sei train detect" in out and "50/50" in out and "ETA" in out and "phase detect: 50 steps" in out
+    assert "sei train detect" in out and "50/50" in out and "ETA" in out and "phase detect: step 50/50" in out
 
 
 def test_in_process_progress_stays_plain(monkeypatch, capsys, tmp_path):
@@ -53,8 +53,9 @@ def test_in_process_progress_stays_plain(monkeypatch, capsys, tmp_path):
     bar = PhaseProgress(ctx, "fit", 0, 20)
     for step in range(1, 21):
         bar.update(step, 0.5)
+    bar.done(0.5)
     err = capsys.readouterr().err
-    assert PROGRESS_TAG not in err and err.count("phase fit: step") == 10
+    assert PROGRESS_TAG not in err and err.count("phase fit: step") == 10 and err.count("step 20/20") == 1
 
 
 def test_chatter_goes_to_the_log_file_warnings_to_the_console(monkeypatch, tmp_path, capsys):
