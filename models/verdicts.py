@@ -72,8 +72,9 @@ class Compare:
     def effect_text(self) -> str:
         """What the interval is about: 'left - best(right)' in short."""
         names = self.right_names
-        if not names:
-            right = f"{self.scale * float(self.right) + self.margin:g}"
+        if not names:  # a threshold: "left - 0.9", "left + 0.02", or just "left" against zero
+            value = self.scale * float(self.right) + self.margin  # type: ignore[arg-type]
+            return self.left if value == 0 else f"{self.left} {'-' if value > 0 else '+'} {abs(value):g}"
         else:
             right = names[0] if len(names) == 1 else f"best({_compact(names)})"
             right = f"{self.scale:g} x {right}" if self.scale != 1.0 else right

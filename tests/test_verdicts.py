@@ -77,6 +77,8 @@ def test_fixed_threshold_margin_and_scale():
     assert Compare("method/fd", "<=", "baseline/ft/fd").decide(fd).verdict == FAILS
     threshold = Compare("method/acc", ">", 0.5)
     assert threshold.decide(ms).verdict == HOLDS and threshold.decide(ms).mean == pytest.approx(0.298)
+    assert threshold.effect_text() == "method/acc - 0.5" and Compare("x", ">", 0.0).effect_text() == "x"
+    assert Compare("x", ">=", 0.0, margin=-0.02).effect_text() == "x + 0.02"
 
 
 def test_premises_make_a_claim_inconclusive_with_their_numbers():
