@@ -28,13 +28,16 @@ Deviations from the paper (choices the abstract left open):
 - The claim's "positive Spearman" is `method/tau_spearman > 0`; a constant curve (undefined Spearman) counts as 0.
 - tau is set per embedder (their similarity scales differ); the values sit in params.yaml. The test profile uses a
   hashed bag-of-words stand-in for MiniLM (`victim_encoder: hashed`) so CI loads no model.
-- Full: Quora Question Pairs, intents = connected components of duplicate pairs [load_qqp].
+- Full: Quora Question Pairs, intents = connected components of duplicate pairs [load_qqp]; the victim E1/E2 is
+  BGE-small from a local sentence-transformers folder [load_sentence_model] (no download; MiniLM in smoke).
 - Payloads are short (3-4 words); the payload length sets how far the attack query starts from the victims.
 """
 
 from __future__ import annotations
 
 import csv
+import os
+from functools import cache
 from pathlib import Path
 from typing import Literal
 
@@ -96,7 +99,11 @@ class Params(PaperParams):
     max_words: int = Field(16, ge=1, description="Longest suffix s, in words.")
     surrogates: list[Literal["e3", "e4"]] = Field(["e3"], min_length=1, description="Surrogates (first: metrics).")
     whitebox: bool = Field(False, description="Also run the search scored on E1 (upper bound; costly on CPU).")
-    victim_encoder: Literal["minilm", "hashed"] = Field("minilm", description="E1/E2: MiniLM, or hashed BoW (tests).")
+    victim_encoder: Literal["minilm", "local", "hashed"] = Field("minilm", description="E1/E2: MiniLM, a local "
+                                                                "sentence-transformers model (`victim_path`), or "
+                                                                "hashed BoW (tests).")
+    victim_path: str = Field("", description="local: folder of a saved sentence-transformers model (e.g. BGE or "
+                                             "E5: modules.json, config.json, model.safetensors, tokenizer).")
     svd_dim: int = Field(128, ge=2, description="E3 TruncatedSVD components (capped by the corpus).")
     e4_layers: int = Field(2, ge=1)
     e4_dim: int = Field(64, ge=8, description="E4 width (4 heads when divisible, else 1).")
@@ -245,16 +252,33 @@ def embedders(p: Params, d: dict, e4_state: dict) -> dict:
     out = {"e3": lambda texts: norm(svd.transform(tfidf.transform(texts))).astype(np.float32), "e4": e4}
     if p.victim_encoder == "hashed":
         return out | {"e1": lambda t: _hashed(t, 1), "e2": lambda t: _hashed(t, 2)}
-    from models.common.text import encode_sentences, sentence_model
+    if p.victim_encoder == "local":
+        st = load_sentence_model(p.victim_path)
+        e1 = lambda texts: np.asarray(st.encode(texts, normalize_embeddings=True), np.float32)  # noqa: E731
+    else:
+        from models.common.text import encode_sentences, sentence_model
 
-    def e2(texts):  # MiniLM truncated after 3 layers, CLS pooling
-        st = sentence_model()
+        st, e1 = sentence_model(), encode_sentences
+
+    def e2(texts):  # the victim's encoder truncated after 3 layers, CLS pooling
         batch = st.tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
         with torch.no_grad():
-            h = st[0].auto_model(**batch, output_hidden_states=True).hidden_states[3][:, 0]  # (n, 384)
+            h = st[0].auto_model(**batch, output_hidden_states=True).hidden_states[3][:, 0]  # (n, d)
         return norm(h.numpy()).astype(np.float32)
 
-    return out | {"e1": encode_sentences, "e2": e2}
+    return out | {"e1": e1, "e2": e2}
+
+
+@cache
+def load_sentence_model(path: str):
+    """A sentence-transformers model saved in a local folder (BGE, E5, ...): loaded offline, never downloaded."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from sentence_transformers import SentenceTransformer
+
+    folder = input_path(path)
+    if not (folder / "modules.json").exists():
+        raise FileNotFoundError(f"{folder}: not a saved sentence-transformers model (no modules.json)")
+    return SentenceTransformer(str(folder), device="cpu", local_files_only=True)
 
 
 # ---- CacheAttack and its baselines ----------------------------------------------------------------------------

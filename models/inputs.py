@@ -76,8 +76,8 @@ PARTLY_SYNTHETIC: dict[str, str] = {
             "(medium-replay / medium-expert via --set d4rl=...)",
     "async_rag": "HotpotQA only (2WikiMultihopQA / MuSiQue: --set dataset=2wiki|musique dataset_path=...)",
     "perturbed_vae": "Norman et al. 2019 gives no true causal latents: the rho_inv sweep and MCC are synthetic-only",
-    "sei": "images from disk, but the CLIP RN50 tower is not loaded (no weights here): MiniLM prompts, trained "
-           "image tower",
+    "sei": "images from disk, but not open_clip's RN50 (no such architecture or weights here): MiniLM prompts and "
+           "an image tower trained in the pipeline",
 }
 
 

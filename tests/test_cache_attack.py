@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from models import cache_attack as ca
@@ -101,3 +102,33 @@ def test_bpe_round_trip_and_info_nce():
     assert len(tok.encode(texts[0])) < len(chars.encode(texts[0])) == len(texts[0])
     a = torch.nn.functional.normalize(torch.randn(8, 16), dim=-1)
     assert info_nce(a, a, 0.05) < info_nce(a, a.roll(1, 0), 0.05)
+
+
+def _tiny_sentence_model(folder):
+    """A random 3-layer BERT saved as a sentence-transformers folder (safetensors): the on-disk format of BGE/E5."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers import models as st_models
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    words = "how do i open a bank account the my card is lost reset password what".split()
+    (folder / "hf").mkdir(parents=True)
+    (folder / "hf" / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]))
+    BertTokenizerFast(vocab_file=str(folder / "hf" / "vocab.txt")).save_pretrained(folder / "hf")
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=5 + len(words), hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
+                         intermediate_size=32)).save_pretrained(folder / "hf")
+    word = st_models.Transformer(str(folder / "hf"))
+    SentenceTransformer(modules=[word, st_models.Pooling(16, "cls")], device="cpu").save(str(folder / "st"))
+    return folder / "st"
+
+
+def test_local_victim_encoder_loads_a_saved_sentence_transformer(tmp_path):
+    """Full profile: the victim embedder from a local path (never downloaded), here a tiny random checkpoint."""
+    path = _tiny_sentence_model(tmp_path)
+    assert (path / "modules.json").exists() and list(path.glob("*.safetensors"))
+    st = ca.load_sentence_model(str(path))
+    texts = ["how do i open a bank account", "my card is lost"]
+    e1 = st.encode(texts, normalize_embeddings=True)
+    assert e1.shape == (2, 16) and np.allclose(np.linalg.norm(e1, axis=1), 1, atol=1e-5)
+    with pytest.raises(FileNotFoundError, match="modules.json"):
+        ca.load_sentence_model(str(tmp_path / "hf"))
