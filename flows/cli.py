@@ -170,6 +170,9 @@ def data(
     from flows import data_inputs
 
     try:
+        if all_papers and profile != "full":  # reports/data.md is the full profiles' table
+            typer.echo(data_inputs.table(settings.params_file(), profile))
+            return
         if all_papers:
             out = data_inputs.write_report(settings.params_file(), settings.root() / "reports" / "data.md", profile)
             typer.echo(out.read_text())

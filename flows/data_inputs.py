@@ -58,7 +58,8 @@ def table(params_file: Path, profile: str = "full") -> str:
     for pid in [pid for pid in registry.paper_ids() if pid in declared]:  # models/ also holds non-paper modules
         found = profile_inputs(pid, profile, params_file)
         if not found:
-            rows.append(f"| {pid} | - | - | - | {_cell(SYNTHETIC.get(pid, 'no inputs declared'))} |")
+            why = SYNTHETIC.get(pid, "no inputs declared") if profile == "full" else "reads no file from disk"
+            rows.append(f"| {pid} | - | - | - | {_cell(why)} |")
         for s in found:
             how = "; ".join(f"`{step}`" if step.startswith("dvc ") else step for step in how_to_get(s.name, s.spec))
             rows.append(f"| {pid} | {s.name} | `{s.spec.path}` ({_cell(s.spec.format)}) | "

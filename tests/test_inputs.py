@@ -135,6 +135,9 @@ def test_cli_data_lists_inputs_and_all_writes_the_table(tmp_path, monkeypatch):
     report = (tmp_path / "reports" / "data.md").read_text()
     for pid in PAPERS:
         assert f"| {pid} |" in report
+    smoke = CliRunner().invoke(app, ["data", "--all", "--profile", "smoke"])
+    assert smoke.exit_code == 0 and "| ds_net | - | - | - | reads no file from disk |" in smoke.output
+    assert (tmp_path / "reports" / "data.md").read_text() == report  # the committed table stays the full one
     bad = CliRunner().invoke(app, ["data", "no_such_paper"])
     assert bad.exit_code == 2 and "unknown paper id" in bad.output
     assert CliRunner().invoke(app, ["data"]).exit_code == 2
