@@ -124,3 +124,22 @@ def test_cifar10_loader_on_a_ten_image_pickle_fixture(tmp_path):
     t = qm.read_table(tmp_path / "samples.parquet")
     assert t["pixels"].shape == (20, 3072) and set(t["role"][t["label"] == 3]) <= {"query_member",
                                                                                       "query_nonmember", "public_h"}
+
+
+def test_resnet_ensemble_networks_are_independent_resnet18s():
+    """Full profile: ResNet-18 targets and shadows, stacked as one module; each network sees only its own batch."""
+    torch.manual_seed(0)
+    nets = qm.EnsembleResNet(3, (3, 32, 32), 4, 10)
+    single = qm.resnet18(3, 4, 10)
+    assert sum(v.numel() for v in nets.parameters()) == 3 * sum(v.numel() for v in single.parameters())
+    assert sum(1 for m in single.modules() if isinstance(m, qm.BasicBlock)) == 8  # 2 per stage x 4 stages
+    x = torch.randn(3, 5, 3 * 32 * 32, requires_grad=True)
+    out = nets(x)
+    assert out.shape == (3, 5, 10)
+    out[1].sum().backward()  # network 1's output depends on its own inputs and weights only
+    assert x.grad[0].abs().sum() == 0 and x.grad[2].abs().sum() == 0 and x.grad[1].abs().sum() > 0
+    grads = [p.grad for p in nets.parameters()]
+    assert all(g[0].abs().sum() == 0 and g[2].abs().sum() == 0 for g in grads)
+    params = {k: v[1] for k, v in zip(nets.names, nets.stacked, strict=True)}  # network 1 as a plain ResNet-18
+    single.load_state_dict(params)
+    assert torch.allclose(single(x[1].detach().view(5, 3, 32, 32)), out[1], atol=1e-5)
