@@ -417,7 +417,6 @@ def evaluate(ctx) -> dict[str, float]:
         out |= {prefix + k: v_ for k, v_ in m.items()} | {f"detail/{label}/{k}": v_ for k, v_ in m.items()}
         examples[label] = gen[:4]
         scatter[label] = (a_np, d["disp"][v, t].numpy())
-    out["baseline/lam_cont/psnr_minus_0.5dB"] = out["baseline/lam_cont/psnr"] - 0.5
     _plots(ctx.plots_dir, out, o_t[ok[:4]], o_next[ok[:4]], d["x"][vb[ok[:4]], tb[ok[:4]]], examples, scatter)
     return out
 
@@ -472,7 +471,7 @@ PAPER = Paper(
     primary=("method/transfer_acc", "max"),
     claim=Claim(all_of=(
         Compare("method/transfer_acc", ">", "baseline/lam_cont/transfer_acc"),
-        Compare("method/psnr", ">=", "baseline/lam_cont/psnr_minus_0.5dB"),
+        Compare("method/psnr", ">=", "baseline/lam_cont/psnr", margin=-0.5),
     ), summary="at the same beta, DiLA transfers actions better than the continuous LAM without losing more than "
                "0.5 dB PSNR"),
 )

@@ -594,7 +594,6 @@ def evaluate(ctx) -> dict[str, float]:
         margins.append(res["doit"]["score"] - max(res[b]["score"] for b in baselines))
     metrics |= {k: float(np.mean(v)) for k, v in per.items()}
     metrics["method/min_env_margin"] = float(min(margins))
-    metrics["baseline/best_of_n/flops_per_action_x2"] = 2 * metrics["baseline/best_of_n/flops_per_action"]
 
     toy = evaluate_toy(p, model["toy"])
     (m0, l0), (m1, l1) = p.toy_ml[0], p.toy_ml[-1]
@@ -662,7 +661,7 @@ PAPER = Paper(
         Compare("method/score", ">", ("baseline/pretrained/score", "baseline/best_of_n/score",
                                       "baseline/gradient/score", "baseline/svdd/score")),
         Compare("method/min_env_margin", ">", 0.0),  # DOIT-Practical ahead on every task, not only on average
-        Compare("method/flops_per_action", "<=", "baseline/best_of_n/flops_per_action_x2"),
+        Compare("method/flops_per_action", "<=", "baseline/best_of_n/flops_per_action", scale=2.0),
         Compare("method/toy_sw2", "<", "method/toy_sw2_small_ml"),
         Compare("method/toy_sw2", "<", "baseline/pretrained/toy_sw2"),
     ), summary="DOIT-Practical beats every training-free baseline at <= 2x Best-of-N's cost; DOIT-Proto converges"),
