@@ -45,7 +45,7 @@ SYNTHETIC: dict[str, str] = {
               "nothing to download",
     # a public benchmark the spec names is not read: said here, and in the module's docstring
     "pacer": "synthetic SEMs up to d = 2,000 (the spec's scale study); NOT Sachs (loader wired: --set "
-             "dataset=sachs dataset_dir=...) nor CausalBench Perturb-seq (no .h5ad loader: anndata not installed)",
+             "dataset=sachs dataset_dir=...) nor CausalBench Perturb-seq (no .h5ad loader in this module yet)",
     "mint": "synthetic gridworlds in the spirit of MiniGrid; NOT the minigrid package, Atari Pac-Man or Isaac "
             "(the method's observations and goals are built on the synthetic world)",
     "dila": "synthetic sprite videos with known actions (the metrics need them); NOT BridgeData V2: no "
