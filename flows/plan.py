@@ -20,7 +20,7 @@ from models import registry
 from tasks import settings
 
 MAX_WORKERS = 2
-LIMIT_S = 60.0  # per paper, hard: the trace's own budget (tasks/planning.py BUDGET_S) ends most plans sooner
+LIMIT_S = 90.0  # per paper, hard: the trace's own budget (tasks/planning.py BUDGET_S) ends most plans sooner
 
 
 def _cache() -> Path:
@@ -125,16 +125,20 @@ def _hours(h: float) -> str:
 
 
 def table(plans: list[dict[str, Any]]) -> str:
-    """Markdown: one row per paper (GPUs, GPU-hours, peak memory per rank, data, fits)."""
-    rows = ["| paper | GPUs | GPU-hours | peak GiB/rank | data GiB (host) | phases | ZeRO | fits |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    """Markdown: one row per paper (GPUs, GPU-hours, peak memory per rank, host memory for the data, fits), and
+    how far the trace got: `all` when train() returned, else the phases traced before it stopped and why."""
+    rows = ["| paper | GPUs | GPU-hours | peak GiB/rank | data GiB/node | ZeRO | phases traced | fits |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for p in plans:
         if "error" in p:
-            rows.append(f"| {p['paper']} | | | | | | | ERROR {p['error'][:80]} |")
+            rows.append(f"| {p['paper']} | | | | | | not planned: {p['error'][:80]} | ? |")
             continue
         verdict = "yes" if p["fits"] else "NO: " + "; ".join(p["problems"])[:120]
+        traced = ", ".join(ph["name"] for ph in p["phases"]) or "none"
+        if p["stopped"]:
+            traced += f" (then: {p['stopped'][:60]})"
         rows.append(f"| {p['paper']} | {p['ranks']} | {_hours(p['gpu_hours'])} | {_gib(p['peak_rank_bytes'])} | "
-                    f"{_gib(p['data_bytes'])} | {len(p['phases'])} | {p['zero_stage']} | {verdict} |")
+                    f"{_gib(p['data_bytes'])} | {p['zero_stage']} | {traced.replace('|', '/')} | {verdict} |")
     return "\n".join(rows)
 
 

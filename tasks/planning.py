@@ -67,7 +67,7 @@ DEFAULT_MFU = 0.35  # model-FLOP utilisation the GPU-hours assume (a well-tuned 
 HOST_RAM = 1024 * GIB  # per node
 GPUS_PER_NODE = 8
 HEADROOM = 0.9  # a rank must fit in this share of the GPU (CUDA context, allocator fragmentation, NCCL buffers)
-BUDGET_S = 20.0  # per paper: planning traces, it never trains
+BUDGET_S = 30.0  # per paper: planning traces, it never trains
 
 
 class PlanStop(Exception):
@@ -354,6 +354,17 @@ class _Placeholders(torch.utils._python_dispatch.TorchDispatchMode):
             return func(args[0], idx, *args[2:], **kwargs)
         if func is aten.masked_select.default:
             return torch.empty((args[0].numel(),), dtype=args[0].dtype, device=args[0].device)
+        if func is aten.bincount.default:  # counts of values 0..minlength-1 (the common use: class counts)
+            size = max(int(kwargs.get("minlength", args[2] if len(args) > 2 else 0)), 1)
+            dtype = torch.long if (kwargs.get("weights") if "weights" in kwargs else (args[1] if len(args) > 1
+                                                                                      else None)) is None else \
+                torch.double
+            return torch.zeros((size,), dtype=dtype, device=args[0].device)
+        if func in (aten.unique_consecutive.default, aten._unique2.default, aten.unique_dim.default):
+            x = args[0]  # every value distinct: the upper bound
+            flat = x.reshape(-1)
+            extras = [torch.zeros_like(flat, dtype=torch.long), torch.ones_like(flat, dtype=torch.long)]
+            return (flat.clone(), *extras)
         return func(*args, **kwargs)
 
 
@@ -385,6 +396,23 @@ def _fake_reads():
 
 
 _MAX_READ = 50_000_000
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The paper's progress lines and warnings about fakes (and fake-tensor error logs) are not the plan's output."""
+    import logging
+    import warnings
+
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        log.setLevel(level)
 
 
 @contextlib.contextmanager
@@ -424,7 +452,8 @@ _DATA_KEY = re.compile(
     r"n_clips|n_molecules|n_transitions|toy_train|toy_exact|n_entities|n_seed|pool_size|n_external|n_drawings|"
     r"n_sequences|n_nodes|n_mc|n_curve|train_M|n_targets|examples|eval_pairs|transfer_pairs|n_train_graphs|"
     r"n_test_graphs|n_val_graphs|nodes_train|nodes_test|review_instances|gate2_instances|n_questions|"
-    r"dataset|\w+_dir|\w+_path|data_root|source|\w*encoder|embedder|body_model|karate)")
+    r"dataset|\w+_dir|\w+_path|data_root|source|\w*encoder|embedder|body_model|karate|n_f|n_p|episodes)")
+_SOURCE_KEY = re.compile(r"dataset|\w+_dir|\w+_path|data_root|source|body_model")
 
 
 def data_overrides(profile: Mapping[str, Any], test: Mapping[str, Any]) -> dict[str, Any]:
@@ -496,6 +525,9 @@ def planning_data(paper, raw: Mapping[str, Any], test_raw: Mapping[str, Any], ca
         params = validate(paper, small, where=f"plan data of {paper.id}")
         folder = _prepare_cached(paper, params, cache)
         note = "profile's row shapes, test profile's data amount"
+        swapped = sorted(k for k in raw if _SOURCE_KEY.fullmatch(k) and small.get(k) != raw[k])
+        if swapped:  # a real dataset's rows are its own: the stand-in's may be smaller (sei: 8x8, not 224x224)
+            note = f"the test profile's stand-in for the real data ({', '.join(swapped)}): activations a lower bound"
         counts = _counts(raw, small)
     except Exception as e:  # noqa: BLE001 - a prepare that needs the real files: the test profile's data
         params = validate(paper, test_raw, where=f"papers.{paper.id}.test")
@@ -532,8 +564,8 @@ def plan(paper_id: str, raw: Mapping[str, Any], test_raw: Mapping[str, Any], *, 
                       deadline=time.monotonic() + budget_s)
     threads = torch.get_num_threads()
     try:
-        with _alarm(ctx.deadline + 1), _no_saves(), _fake_reads(), FakeTensorMode(allow_non_fake_inputs=True), \
-                _Placeholders():
+        with _alarm(ctx.deadline + 1), _quiet(), _no_saves(), _fake_reads(), \
+                FakeTensorMode(allow_non_fake_inputs=True), _Placeholders():
             paper.train(ctx)
     except PlanStop as e:
         result.stopped = str(e)
