@@ -90,6 +90,16 @@ def pip_requirements() -> list[str]:
     return reqs
 
 
+def save_model(paper_id: str, outputs: Path, path: Path, metadata: dict | None = None) -> None:
+    """A train outputs folder as a pyfunc model folder at `path` (what `log_run_model` logs)."""
+    # MLflow warns that a Python object is cloudpickled: here it is a reference to this module's class
+    with _quiet("mlflow.pyfunc"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*type hints to the `predict` method", category=UserWarning)
+        mlflow.pyfunc.save_model(path, python_model=PaperModel(paper_id), artifacts={"outputs": str(outputs)},
+                                 pip_requirements=pip_requirements(),
+                                 metadata={"paperline.paper": paper_id, **(metadata or {})})
+
+
 def log_run_model(paper_id: str, run_id: str) -> str:
     """Pack the run's `outputs/` as a pyfunc model into the run's `model/` artifact; returns its artifact URI
     (the source of the registered model version)."""
@@ -99,11 +109,7 @@ def log_run_model(paper_id: str, run_id: str) -> str:
         outputs.mkdir()
         if any(a.path == "outputs" for a in client.list_artifacts(run_id)):
             client.download_artifacts(run_id, "outputs", tmp)
-        # MLflow warns that a Python object is cloudpickled: here it is a reference to this module's class
-        with _quiet("mlflow.pyfunc"):
-            mlflow.pyfunc.save_model(Path(tmp) / MODEL_ARTIFACT, python_model=PaperModel(paper_id),
-                                     artifacts={"outputs": str(outputs)}, pip_requirements=pip_requirements(),
-                                     metadata={"paperline.paper": paper_id, "paperline.run_id": run_id})
+        save_model(paper_id, outputs, Path(tmp) / MODEL_ARTIFACT, {"paperline.run_id": run_id})
         shutil.rmtree(outputs)  # copied into the model folder by save_model
         client.log_artifacts(run_id, str(Path(tmp) / MODEL_ARTIFACT), MODEL_ARTIFACT)
     return f"{client.get_run(run_id).info.artifact_uri}/{MODEL_ARTIFACT}"
