@@ -35,7 +35,8 @@ Deviations from the paper (choices the abstract left open):
 - Seeds differ in initialisation and batch order; all seeds and arms of a step train in lock-step in one engine.
 - Step pools: a training image belongs to step t when it contains a class of step t (the overlapped setting),
   capped at `images_per_step`.
-- Full profile: the CNN is the same U-Net scaled up (no torchvision DeepLabv3-ResNet101 weights offline).
+- Full profile: DeepLabv3-ResNet101 [DeepLabV3] at output stride 16 (the paper's CISS setting), its ImageNet
+  backbone from a local torchvision checkpoint [load_backbone] (nothing downloads); BatchNorm as in the paper.
 - The head's hidden activation is GELU (C^2, so the curvature is defined; with ReLU, finite differences across kinks
   scale as eps^-2).
 - BatchNorm in the U-Net blocks (GroupNorm(1) sat at "all background" for ~100 steps) and a longer first step
@@ -87,6 +88,11 @@ class Params(PaperParams):
     batch_size: int = Field(32, ge=2)
     lr: float = Field(3e-3, gt=0)
     width: int = Field(8, ge=2, description="U-Net base width.")
+    arch: Literal["unet", "deeplabv3"] = Field("unet", description="The segmenter: the small U-Net, or DeepLabv3 "
+                                              "(ResNet backbone at output stride 16 + ASPP) as in the paper (full).")
+    backbone_depth: Literal[50, 101] = Field(101, description="deeplabv3: ResNet-50 or ResNet-101 backbone.")
+    backbone_weights: str = Field("", description="deeplabv3: local ImageNet ResNet checkpoint in torchvision's "
+                                                  "format (a state dict, .pth or .safetensors); empty = random init.")
     arms: list[str] = Field(["base", "ldka"], min_length=1, description="Arms among " + ", ".join(ARMS))
     n_seeds: int = Field(2, ge=1, description="Seeds (seed, seed+1, ...).")
     pseudo_threshold: float = Field(0.7, gt=0, lt=1, description="PLOP confidence for old-class pseudo-labels.")
@@ -226,6 +232,91 @@ class UNet(nn.Module):
         return self.head(f), f  # (B, C+1, S, S), (B, 2w, S, S)
 
 
+class Bottleneck(nn.Module):
+    """torchvision's ResNet bottleneck (same parameter names, so its ImageNet checkpoints load as they are)."""
+
+    def __init__(self, c_in: int, planes: int, stride: int, dilation: int):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c_in, planes, 1, bias=False), nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride, dilation, dilation, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3, self.bn3 = nn.Conv2d(planes, 4 * planes, 1, bias=False), nn.BatchNorm2d(4 * planes)
+        self.downsample = None if stride == 1 and c_in == 4 * planes else nn.Sequential(
+            nn.Conv2d(c_in, 4 * planes, 1, stride, bias=False), nn.BatchNorm2d(4 * planes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn1(self.conv1(x)))
+        h = F.relu(self.bn2(self.conv2(h)))
+        return F.relu(self.bn3(self.conv3(h)) + (x if self.downsample is None else self.downsample(x)))
+
+
+class DeepLabV3(nn.Module):
+    """DeepLabv3 (Chen et al. 2017): ResNet-50/101 backbone, last stage dilated (output stride 16), ASPP (rates
+    6, 12, 18 + image pooling) -> 256-d features upsampled to the input -> the same per-pixel head as the U-Net,
+    so PML, SKD and MAD act on it unchanged. Backbone names follow torchvision (`load_backbone`)."""
+
+    def __init__(self, n_classes: int, depth: int = 101, width: int = 64, aspp: int = 256):
+        super().__init__()
+        blocks, self.depth = {50: (3, 4, 6, 3), 101: (3, 4, 23, 3)}[depth], depth
+        self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        c = width
+        for i, (n, stride, dilation) in enumerate(zip(blocks, (1, 2, 2, 1), (1, 1, 1, 2), strict=True)):
+            layers = [Bottleneck(c, width * 2**i, stride, dilation if i < 3 else 1)]
+            c = 4 * width * 2**i
+            layers += [Bottleneck(c, width * 2**i, 1, dilation) for _ in range(n - 1)]
+            setattr(self, f"layer{i + 1}", nn.Sequential(*layers))
+        self.aspp = nn.ModuleList([nn.Sequential(nn.Conv2d(c, aspp, 1, bias=False), nn.BatchNorm2d(aspp), nn.ReLU())]
+                                  + [nn.Sequential(nn.Conv2d(c, aspp, 3, padding=r, dilation=r, bias=False),
+                                                   nn.BatchNorm2d(aspp), nn.ReLU()) for r in (6, 12, 18)])
+        self.pool = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(c, aspp, 1, bias=False), nn.ReLU())
+        self.project = nn.Sequential(nn.Conv2d(5 * aspp, aspp, 1, bias=False), nn.BatchNorm2d(aspp), nn.ReLU())
+        self.head = nn.Sequential(nn.Conv2d(aspp, aspp, 1), nn.GELU(), nn.Conv2d(aspp, n_classes + 1, 1))
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, 2, 1)  # (B, w, S/4, S/4)
+        h = self.layer4(self.layer3(self.layer2(self.layer1(h))))  # (B, 32w, S/16, S/16)
+        pooled = self.pool(h).expand(-1, -1, *h.shape[-2:])
+        h = self.project(torch.cat([branch(h) for branch in self.aspp] + [pooled], 1))  # (B, A, S/16, S/16)
+        return F.interpolate(h, size=x.shape[-2:], mode="bilinear", align_corners=False)  # (B, A, S, S)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        f = self.features(x)
+        return self.head(f), f  # (B, C+1, S, S), (B, A, S, S)
+
+
+def load_backbone(net: DeepLabV3, path: Path) -> None:
+    """An ImageNet ResNet checkpoint in torchvision's format (state dict; .safetensors or a torch file, possibly
+    under "state_dict" / "model") into the backbone; its classifier (fc.*) is dropped. Every backbone tensor must
+    be there with its shape: a wrong depth or format fails here, not silently."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = state.get("state_dict", state.get("model", state))
+    state = {k.removeprefix("module."): v for k, v in state.items() if not k.startswith(("fc.", "module.fc."))}
+    backbone = {k for k in net.state_dict() if k.startswith(("conv1.", "bn1.", "layer"))}
+    missing, unexpected = backbone - set(state), set(state) - backbone
+    if missing or unexpected:
+        raise ValueError(f"{path}: not a torchvision ResNet-{net.depth} state dict ({len(missing)} missing, e.g. "
+                         f"{sorted(missing)[:2]}; {len(unexpected)} unexpected, e.g. {sorted(unexpected)[:2]})")
+    net.load_state_dict(state, strict=False)
+
+
+def segmenter(p: Params) -> nn.Module:
+    """The arms' network: the small U-Net, or DeepLabv3 (ImageNet backbone from a local file when given)."""
+    if p.arch == "unet":
+        return UNet(p.width, p.n_classes)
+    net = DeepLabV3(p.n_classes, p.backbone_depth, p.width)
+    if p.backbone_weights:
+        from models.inputs import input_path
+
+        load_backbone(net, input_path(p.backbone_weights))
+    return net
+
+
 # ---- the mechanism -----------------------------------------------------------------------------------------
 def pixel_margin(logits: torch.Tensor, y: torch.Tensor, n_seen: int) -> torch.Tensor:
     """m = z_y - max_{c != y} z_c over the classes seen so far. logits (B, C, S, S), y (B, S, S) -> (B, S, S)."""
@@ -327,7 +418,7 @@ def train(ctx) -> None:
         nets = {}
         for s in range(p.n_seeds):
             torch.manual_seed(p.seed + s)
-            nets[f"s{s}"] = UNet(p.width, p.n_classes)
+            nets[f"s{s}"] = segmenter(p)
         model, old_nets = LockStep(nets), {}
         for t, current in enumerate(steps):
             seen, n_old = current[-1] + 1, current[0]  # classes [0, seen) known after this step; [0, n_old) before
@@ -355,8 +446,8 @@ def train(ctx) -> None:
         torch.save(saved, ctx.out_dir / "models.pt")
 
 
-def _copy(net: UNet, p: Params) -> UNet:
-    new = UNet(p.width, p.n_classes)
+def _copy(net: nn.Module, p: Params) -> nn.Module:
+    new = UNet(p.width, p.n_classes) if p.arch == "unet" else DeepLabV3(p.n_classes, p.backbone_depth, p.width)
     new.load_state_dict(net.state_dict())
     return new
 
@@ -430,9 +521,11 @@ def evaluate(ctx) -> dict[str, float]:
     for proto in p.protocols:
         steps = protocol_steps(proto, p.n_classes)
         old_cls, new_cls = list(range(steps[0][-1] + 1)), [c for st in steps[1:] for c in st]
-        first = LockStep({f"s{s}": UNet(p.width, p.n_classes) for s in range(p.n_seeds)})
+        blank = (lambda: UNet(p.width, p.n_classes)) if p.arch == "unet" else \
+            (lambda: DeepLabV3(p.n_classes, p.backbone_depth, p.width))  # weights come from the checkpoint
+        first = LockStep({f"s{s}": blank() for s in range(p.n_seeds)})
         first.load_state_dict(saved[f"{proto}/step0"])
-        final = LockStep({f"{a}_s{s}": UNet(p.width, p.n_classes) for a in p.arms for s in range(p.n_seeds)})
+        final = LockStep({f"{a}_s{s}": blank() for a in p.arms for s in range(p.n_seeds)})
         final.load_state_dict(saved[f"{proto}/final"])
         with torch.no_grad():
             z0 = first.eval()(d["x_test"])

@@ -23,7 +23,7 @@ PAPERS = yaml.safe_load((PROJECT / "params.yaml").read_text())["papers"]
 # params naming a file or folder a loader opens: each must be a declared input of its profile
 PATH_KEYS = ("dataset_dir", "jsonl_path", "qqp_path", "amass_dir", "body_model", "dt4d_dir", "train_dir", "test_dirs",
              "folders", "sdf_path", "vg_dir", "data_root", "mmcif_dir", "clip_dir", "dataset_path", "passages_path",
-             "eval_path", "external_path", "tsp_file", "minelib_file", "d4rl", "victim_path", "weights",
+             "eval_path", "external_path", "tsp_file", "minelib_file", "d4rl", "victim_path", "backbone_weights",
              "checkpoint_path")
 
 

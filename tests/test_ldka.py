@@ -118,3 +118,30 @@ def test_ade20k_loader(tmp_path):
                       i + 10)
     scenes, pools = m.load_ade20k(tmp_path, 8)
     assert pools == ["train", "train", "test"] and scenes[1][1].max() == 11 and scenes[0][0].shape == (8, 8, 3)
+
+
+def test_deeplabv3_shapes_and_a_torchvision_format_backbone_checkpoint(tmp_path):
+    """Full profile: DeepLabv3-ResNet (output stride 16, ASPP) and its ImageNet backbone from a local checkpoint in
+    torchvision's format (a state dict with fc.*), here a tiny random one, as .pth and as .safetensors."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    net = m.DeepLabV3(3, depth=50, width=4).eval()
+    assert sum(len(getattr(net, f"layer{i}")) for i in range(1, 5)) == 16  # ResNet-50: 3 + 4 + 6 + 3
+    logits, f = net(torch.randn(2, 3, 64, 64))
+    assert logits.shape == (2, 4, 64, 64) and f.shape == (2, 256, 64, 64)
+    assert net.layer4[0].conv2.stride == (1, 1) and net.layer4[1].conv2.dilation == (2, 2)  # output stride 16
+    donor = m.DeepLabV3(3, depth=50, width=4)
+    state = {k: v for k, v in donor.state_dict().items() if k.startswith(("conv1.", "bn1.", "layer"))}
+    state |= {"fc.weight": torch.randn(10, 128), "fc.bias": torch.zeros(10)}  # torchvision's classifier: dropped
+    torch.save(state, tmp_path / "resnet50.pth")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "resnet50.safetensors"))
+    for name in ("resnet50.pth", "resnet50.safetensors"):
+        fresh = m.DeepLabV3(3, depth=50, width=4)
+        m.load_backbone(fresh, tmp_path / name)
+        assert torch.equal(fresh.layer3[2].conv2.weight, donor.layer3[2].conv2.weight)
+        assert not torch.equal(fresh.project[0].weight, donor.project[0].weight)  # ASPP stays freshly initialised
+    with pytest.raises(ValueError, match="ResNet-101"):
+        m.load_backbone(m.DeepLabV3(3, depth=101, width=4), tmp_path / "resnet50.pth")
+    p = m.Params(arch="deeplabv3", backbone_depth=50, width=4, backbone_weights=str(tmp_path / "resnet50.pth"))
+    assert torch.equal(m.segmenter(p).conv1.weight, donor.conv1.weight)
