@@ -11,7 +11,8 @@ versions point at it, so
 
 Loading needs the paperline package importable (the networks are pickled by reference to their classes in
 `models/<id>.py`). `predict` runs the paper's trained method on a table in the format of the paper's data where the
-method is a predictor (PREDICTORS below); elsewhere it raises "no predict for this paper".
+method is a predictor (PREDICTORS below: sei's classifier, spectral_schedule's sampler given a seed); elsewhere it
+raises "no predict for this paper".
 """
 
 from __future__ import annotations
@@ -145,4 +146,22 @@ def _sei(model: PaperModel, table: pd.DataFrame, params: dict) -> pd.DataFrame:
                                                                for c in range(probs.shape[1])}})
 
 
-PREDICTORS: dict[str, Callable[[PaperModel, pd.DataFrame, dict], pd.DataFrame]] = {"sei": _sei}
+def _spectral_schedule(model: PaperModel, table: pd.DataFrame, params: dict) -> pd.DataFrame:
+    """The spectrally tight sampler, a generator given a seed: one image per row of a table in the format of
+    `spectra.parquet` (`logA`, `alpha`: the image's spectral code) plus `seed`; `params`: `arm` (default the
+    method, "tight") and `nfe` (default the profile's smallest). Returns each row's seed and its image (`pixels`,
+    C*N*N values, like `images.parquet`)."""
+    from models.spectral_schedule import sample_arm
+
+    arms = model.modules["arms"]
+    arm, nfe = str(params.get("arm", "tight")), int(params.get("nfe", min(arms.p.nfe)))
+    channels = next(m for m in arms.nets[arm].modules() if isinstance(m, torch.nn.Conv2d)).in_channels
+    shape = (channels, arms.p.image_size, arms.p.image_size)
+    codes = table[["logA", "alpha"]].to_numpy(dtype=np.float64)
+    images = [sample_arm(arms, arm, nfe, code[None].copy(), shape, torch.Generator().manual_seed(int(seed)))[0].ravel()
+              for seed, code in zip(table["seed"], codes, strict=True)]
+    return pd.DataFrame({"seed": table["seed"].to_numpy(), "pixels": images})
+
+
+PREDICTORS: dict[str, Callable[[PaperModel, pd.DataFrame, dict], pd.DataFrame]] = {
+    "sei": _sei, "spectral_schedule": _spectral_schedule}

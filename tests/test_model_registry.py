@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import mlflow.pyfunc
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -54,10 +55,11 @@ def test_a_test_run_never_takes_the_smoke_champion(workspace):
     assert str(client.get_model_version_by_alias(name, "champion-test").version) == v_test
 
 
-@pytest.mark.parametrize("paper_id", ["sei", "induction_smoothing", "qubo_relax"])
+@pytest.mark.parametrize("paper_id", ["sei", "spectral_schedule", "induction_smoothing", "qubo_relax"])
 def test_champion_loads_as_mlflow_pyfunc(paper_id, workspace, monkeypatch, tmp_path):
-    """A classifier (sei: predict on its data's table), a language model (networks, no predict) and a paper with
-    nothing to learn (qubo_relax: its result files), each trained on the test profile and registered."""
+    """A classifier (sei: predict on its data's table), a generator given a seed (spectral_schedule), a language
+    model (networks, no predict) and a paper with nothing to learn (qubo_relax: its result files), each trained on
+    the test profile and registered."""
     paper = registry.get(paper_id)
     params = registry.resolve(paper_id, "test", None, PROJECT / "params.yaml")
     data_dir, out_dir = tmp_path / "data", tmp_path / "out"
@@ -86,6 +88,15 @@ def test_champion_loads_as_mlflow_pyfunc(paper_id, workspace, monkeypatch, tmp_p
         assert len(pred) == 16 and pred["label"].between(0, 9).all()
         probs = pred[[c for c in pred.columns if c.startswith("p")]].to_numpy()
         assert abs(probs.sum(1) - 1).max() < 1e-5
+    elif paper_id == "spectral_schedule":
+        spectra = read_table(data_dir / "spectra.parquet")
+        table = pd.DataFrame({"logA": spectra["logA"][:3], "alpha": spectra["alpha"][:3], "seed": [7, 8, 7]})
+        images = model.predict(table, params={"nfe": 3})
+        side = registry.resolve(paper_id, "test", None, PROJECT / "params.yaml").image_size
+        assert list(images["seed"]) == [7, 8, 7] and all(len(x) % (side * side) == 0 for x in images["pixels"])
+        assert all(np.isfinite(x).all() for x in images["pixels"])
+        again = model.predict(table.iloc[[0]], params={"nfe": 3})  # a seed names its sample
+        assert np.array_equal(again["pixels"][0], images["pixels"][0])
     else:
         with pytest.raises(NotImplementedError, match="no predict for this paper"):
             model.predict(pd.DataFrame({"x": [0.0]}))
