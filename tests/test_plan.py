@@ -125,3 +125,11 @@ def test_full_gpu_deployment_asks_for_the_plans_gpus(every_plan):
     assert "gpus" not in deployment["work_pool"]["job_variables"]  # not a fixed number: the plan's, per run
     full = registry.resolve(paper, "full", None, PROJECT / "params.yaml")
     assert every_plan[paper]["ranks"] == full.ranks
+
+
+def test_plan_metrics_are_the_numbers_a_full_run_logs():
+    params = registry.resolve("cache_attack", "full", None, PROJECT / "params.yaml")
+    metrics = flow_plan.plan_metrics("cache_attack", params)
+    assert metrics["plan/ranks"] == params.ranks and metrics["plan/fits"] == 1.0
+    assert metrics["plan/e4/params"] > 0 and metrics["plan/e4/flops_step"] > 0 and metrics["plan/gpu_hours"] > 0
+    assert all(k.startswith("plan/") and math.isfinite(v) for k, v in metrics.items())
