@@ -18,7 +18,7 @@ from tasks.settings import configure_environment
 
 configure_environment()
 
-from mlflow.entities import Param, RunStatus, RunTag  # noqa: E402
+from mlflow.entities import Metric, Param, RunStatus, RunTag  # noqa: E402
 from prefect import flow, get_run_logger, runtime, task  # noqa: E402
 from prefect.concurrency.sync import concurrency  # noqa: E402
 
@@ -170,7 +170,21 @@ def _open_run(request: RunRequest, exp_id: str, key: str, data_hash: str, prepar
     client.log_dict(run_id, {"paper": paper, "profile": profile, "overrides": request.overrides,
                              "raw_params": request.raw, "params": resolved, "data_hash": data_hash},
                     "inputs/run_inputs.json")
+    if profile == "full":  # the estimate a finished full run is held against (`paperline plan`)
+        _log_plan(run_id, request)
     return run_id
+
+
+def _log_plan(run_id: str, request: RunRequest) -> None:
+    from flows.plan import plan_metrics
+
+    try:
+        metrics = plan_metrics(request.paper, request.params)
+    except Exception as e:  # noqa: BLE001 - an estimate: its failure must not stop the run it describes
+        tracking.client().set_tag(run_id, "plan.error", f"{type(e).__name__}: {e}"[:5000])
+        return
+    tracking.client().log_batch(run_id, metrics=[Metric(k, float(v), int(time.time() * 1000), 0)
+                                                 for k, v in metrics.items()])
 
 
 @dataclass(frozen=True)
