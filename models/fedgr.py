@@ -45,8 +45,10 @@ Deviations from the paper (choices the abstract left open):
   clients' teachers differ; the spec's global revision happens at every round start.
 - Co-teaching uses each client's true noise ratio as its forget rate (the usual oracle), ramped over 5 rounds,
   and small-loss selection runs on each rank's share of the batch. SCE uses alpha = 0.1, beta = 1, A = log 1e-4.
-- Full profile: CIFAR-10/100 pickle and Clothing1M list-file loaders feed the same batched MLP on flattened 32x32
-  RGB pixels (no CNN / ResNet-18: the batched-weights design is MLP-only). FedAvg resets weights inside the engine,
+- Full profile: CIFAR-10/100 pickle and Clothing1M list-file loaders feed a batched CNN [cnn: two 3x3 convs,
+  max-pool, global average pool, linear head; every network one group of a grouped convolution], the spec's "CNN"
+  option, not ResNet-18: 2 settings x 6 groups x 100 clients train in lock-step, and 1,200 ResNet-18s would hold
+  13B parameters. FedAvg resets weights inside the engine,
   which assumes ZeRO stage 0 (fp32 params are the optimiser's own), so the full profile keeps zero_stage 0, fp32.
 """
 
@@ -95,7 +97,10 @@ class Params(PaperParams):
     local_steps: int = Field(5, ge=1, description="Local AdamW steps per client per round.")
     batch_size: int = Field(64, ge=2, description="Per-client minibatch (split across ranks).")
     lr: float = Field(1e-3, gt=0)
-    hidden: tuple[int, int] = Field((256, 128), description="MLP hidden widths; the second is the embedding.")
+    arch: Literal["mlp", "cnn"] = Field("mlp", description="Every network: the MLP on flattened pixels, or a CNN "
+                                        "(two 3x3 conv layers, 2x2 max-pool, global average pool, linear head).")
+    hidden: tuple[int, int] = Field((256, 128), description="MLP hidden widths / CNN channels; the second is the "
+                                                            "embedding.")
     sniff_round: int = Field(4, ge=1, description="First round (1-based) using the GMM clean probabilities.")
     shift_pixels: int = Field(1, ge=0, le=4, description="Weak augmentation of the refining step (0 = none).")
     conf_threshold: float = Field(0.9, gt=0, lt=1, description="Refined label kept above this confidence.")
@@ -225,6 +230,36 @@ def mlp(w: list[torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return torch.baddbmm(w[5], z, w[4]), z  # (M, B, C), (M, B, H2)
 
 
+def cnn(w: list[torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched CNN, the same 6-tensor interface as `mlp`: x (M, B, C*S*S) with weights [K1 (M,C1,C,3,3), b1 (M,C1),
+    K2 (M,H2,C1,3,3), b2 (M,H2), W3 (M,H2,C), b3 (M,1,C)]; the M networks run as one grouped convolution."""
+    m, b, d = x.shape
+    c_in = w[0].shape[2]
+    side = round((d // c_in) ** 0.5)
+    h = x.view(m, b, c_in, side, side).transpose(0, 1).reshape(b, m * c_in, side, side)  # (B, M C, S, S)
+    h = F.max_pool2d(F.relu(F.conv2d(h, w[0].flatten(0, 1), w[1].flatten(), padding=1, groups=m)), 2)
+    h = F.relu(F.conv2d(h, w[2].flatten(0, 1), w[3].flatten(), padding=1, groups=m))  # (B, M H2, S/2, S/2)
+    z = h.mean((2, 3)).view(b, m, -1).transpose(0, 1)  # (M, B, H2): the embedding
+    return torch.baddbmm(w[5], z, w[4]), z  # (M, B, C), (M, B, H2)
+
+
+def net(w: list[torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batched network the weights describe: conv kernels (5-d) make a CNN, matrices an MLP."""
+    return cnn(w, x) if w[0].dim() == 5 else mlp(w, x)
+
+
+def init_cnn(m: int, dims: tuple[int, ...], g: torch.Generator) -> list[torch.Tensor]:
+    """nn.Conv2d / nn.Linear default init for m CNNs, dims = (C, C1, H2, classes)."""
+    c, c1, h2, k = dims
+    shapes = [((c1, c, 3, 3), (c1,), 9 * c), ((h2, c1, 3, 3), (h2,), 9 * c1), ((h2, k), (1, k), h2)]
+    out = []
+    for w_shape, b_shape, fan_in in shapes:
+        bound = fan_in**-0.5
+        out += [(torch.rand(m, *w_shape, generator=g) * 2 - 1) * bound,
+                (torch.rand(m, *b_shape, generator=g) * 2 - 1) * bound]
+    return out
+
+
 def init_weights(m: int, dims: tuple[int, ...], g: torch.Generator) -> list[torch.Tensor]:
     """nn.Linear's default init, for m networks at once."""
     out = []
@@ -238,12 +273,14 @@ def init_weights(m: int, dims: tuple[int, ...], g: torch.Generator) -> list[torc
 class Federation(nn.Module):
     """Local weights of every (setting, group, client) network + server state as buffers (checkpointed with it)."""
 
-    def __init__(self, s: int, k: int, dims: tuple[int, ...], n_train: int, rounds: int, seed: int):
+    def __init__(self, s: int, k: int, dims: tuple[int, ...], n_train: int, rounds: int, seed: int,
+                 arch: str = "mlp"):
         super().__init__()
         self.S, self.G, self.K = s, len(GROUPS), k
         g = torch.Generator().manual_seed(seed)
-        base = init_weights(s, dims, g)  # every method of a setting starts from the same global init ...
-        peer = init_weights(s, dims, g)  # ... except Co-teaching's second network
+        init = init_cnn if arch == "cnn" else init_weights  # dims: (C, C1, H2, classes) / (D, H1, H2, classes)
+        base = init(s, dims, g)  # every method of a setting starts from the same global init ...
+        peer = init(s, dims, g)  # ... except Co-teaching's second network
         glob = [torch.stack([b if name != "cot_b" else q for name in GROUPS], 1).flatten(0, 1)  # (S G, ...)
                 for b, q in zip(base, peer, strict=True)]
         self.local = nn.ParameterList([nn.Parameter(t.repeat_interleave(k, 0).clone()) for t in glob])  # (S G K, ...)
@@ -262,7 +299,7 @@ class Federation(nn.Module):
         return list(self.local) if kind == "local" else [getattr(self, f"{kind}{i}") for i in range(6)]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return mlp(list(self.local), x)  # (S G K, B, C), (S G K, B, H2)
+        return net(list(self.local), x)  # (S G K, B, C), (S G K, B, H2)
 
 
 def fedavg(local: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
@@ -336,15 +373,15 @@ def server_round(fed: Federation, r: int, d: dict, p: Params, reset_optimizer) -
             for k in range(K):
                 own = (owner == k) & mislabeled[s]
                 if own.any():
-                    logits, _ = mlp([w[s, fa, k][None] for w in local], x[own][None])  # (1, n, C)
+                    logits, _ = net([w[s, fa, k][None] for w in local], x[own][None])  # (1, n, C)
                     fed.mem_local[a, s, k] = (logits[0].argmax(-1) == noisy[s, own]).float().mean()
         for i, w in enumerate(fed.weights("glob")):
             w.copy_(fedavg(fed.local[i].view(S * fed.G, K, *w.shape[1:]), d["n"]))
         glob = fed.weights("glob")
         for s in range(S):
-            logits, _ = mlp([_groups(w, fed, False)[s, fa][None] for w in glob], x[mislabeled[s]][None])
+            logits, _ = net([_groups(w, fed, False)[s, fa][None] for w in glob], x[mislabeled[s]][None])
             fed.mem_global[a, s] = (logits[0].argmax(-1) == noisy[s, mislabeled[s]]).float().mean()
-        logits, _ = mlp(glob, d["x_test"].expand(len(glob[0]), -1, -1))  # (S G, M, C)
+        logits, _ = net(glob, d["x_test"].expand(len(glob[0]), -1, -1))  # (S G, M, C)
         fed.test_acc[a] = (logits.argmax(-1) == d["y_test"]).float().mean(-1).view(S, fed.G)
     glob = fed.weights("glob")
     for i, w in enumerate(glob):  # broadcast: every client starts the round from its federation's global model
@@ -353,7 +390,7 @@ def server_round(fed: Federation, r: int, d: dict, p: Params, reset_optimizer) -
     g_fedgr = [_groups(w, fed, False)[:, fg] for w in glob]  # (S, ...)
     for e, w in zip(fed.weights("ema"), g_fedgr, strict=True):  # global revision of the EMA teachers
         e.mul_(p.ema_beta).add_((1 - p.ema_beta) * w.repeat_interleave(K, 0))
-    logits, _ = mlp(g_fedgr, x.expand(S, -1, -1))  # (S, N, C): the received global model on every local sample
+    logits, _ = net(g_fedgr, x.expand(S, -1, -1))  # (S, N, C): the received global model on every local sample
     fed.loss_sum += F.cross_entropy(logits.transpose(1, 2), noisy, reduction="none")
     if r + 1 >= p.sniff_round:
         for s in range(S):
@@ -361,7 +398,7 @@ def server_round(fed: Federation, r: int, d: dict, p: Params, reset_optimizer) -
             fed.clean_prob[s] = torch.from_numpy(clean).float()
             fed.noisy_client[s] = torch.from_numpy(rate >= p.noisy_client_rate)
     g = torch.Generator().manual_seed(p.seed * 7919 + r)
-    probs = mlp(g_fedgr, weak_shift(x, d["shape"], g, p.shift_pixels).expand(S, -1, -1))[0].softmax(-1)  # (S, N, C)
+    probs = net(g_fedgr, weak_shift(x, d["shape"], g, p.shift_pixels).expand(S, -1, -1))[0].softmax(-1)  # (S, N, C)
     conf, pred = probs.max(-1)
     fed.refined.copy_(torch.where(conf > p.conf_threshold, pred, -1))
 
@@ -411,7 +448,8 @@ def train(ctx) -> None:
     p: Params = ctx.params
     d = _load(ctx.data_dir)
     S, K, n_train = len(d["settings"]), d["K"], len(d["true"])
-    fed = Federation(S, K, (d["x"].shape[1], *p.hidden, d["classes"]), n_train, p.rounds, p.seed)
+    first = d["shape"][0] if p.arch == "cnn" else d["x"].shape[1]  # input channels / flattened pixels
+    fed = Federation(S, K, (first, *p.hidden, d["classes"]), n_train, p.rounds, p.seed, p.arch)
     engine = ctx.engine(fed, p.lr)
     data = {k_: v.to(ctx.device) if torch.is_tensor(v) else v for k_, v in d.items()}
     members = [torch.nonzero(d["owner"] == k)[:, 0] for k in range(K)]
@@ -453,8 +491,8 @@ def train(ctx) -> None:
             (lb * keep_b).sum(-1) / keep_b.sum(-1).clamp(min=1)
         with torch.no_grad():
             glob = [_groups(w, module, False)[:, gi["fedgr"]].repeat_interleave(K, 0) for w in module.weights("glob")]
-            lg, eg = mlp(glob, x.repeat(S, 1, 1))  # (S K, b, C): the global model on the same inputs
-            le, _ = mlp(module.weights("ema"), x.repeat(S, 1, 1))  # (S K, b, C): the EMA teacher
+            lg, eg = net(glob, x.repeat(S, 1, 1))  # (S K, b, C): the global model on the same inputs
+            le, _ = net(module.weights("ema"), x.repeat(S, 1, 1))  # (S K, b, C): the EMA teacher
         view = lambda t: t.view(S, K, *t.shape[1:])  # noqa: E731
         settings = torch.arange(S)[:, None, None]
         losses["fedgr"], parts = fedgr_loss(

@@ -168,3 +168,21 @@ def test_cifar_and_clothing1m_loaders_read_tiny_fixtures(tmp_path):
     xtr, noisy, clean, xte, yte = fedgr.load_clothing1m(c1m, 8)
     assert xtr.shape == (3, 192) and noisy.tolist() == [3, 5, 1] and clean.tolist() == [-1, 4, -1]
     assert xte.shape == (1, 192) and yte.tolist() == [13]
+
+
+def test_batched_cnn_networks_are_independent_cnns():
+    """Full profile: M CNNs as one grouped convolution; network 1 equals a plain conv stack with its weights."""
+    g = torch.Generator().manual_seed(0)
+    w = [t.requires_grad_() for t in fedgr.init_cnn(3, (3, 4, 6, 10), g)]
+    x = torch.randn(3, 5, 3 * 8 * 8)
+    logits, emb = fedgr.net(w, x)
+    assert logits.shape == (3, 5, 10) and emb.shape == (3, 5, 6)
+    img = x[1].view(5, 3, 8, 8)
+    h = torch.relu(torch.nn.functional.conv2d(img, w[0][1], w[1][1], padding=1))
+    h = torch.relu(torch.nn.functional.conv2d(torch.nn.functional.max_pool2d(h, 2), w[2][1], w[3][1], padding=1))
+    z = h.mean((2, 3))
+    assert torch.allclose(emb[1], z, atol=1e-5) and torch.allclose(logits[1], z @ w[4][1] + w[5][1], atol=1e-5)
+    logits[0].sum().backward()
+    assert all(t.grad[1:].abs().max() == 0 for t in w)  # network 0's loss moves only network 0
+    fed = fedgr.Federation(1, 2, (3, 4, 6, 10), 24, rounds=3, seed=0, arch="cnn")
+    assert fed(torch.randn(len(fedgr.GROUPS) * 2, 4, 3 * 8 * 8))[0].shape == (len(fedgr.GROUPS) * 2, 4, 10)
