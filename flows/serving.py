@@ -21,7 +21,6 @@ import contextlib
 import logging
 import shutil
 import tempfile
-import warnings
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -48,9 +47,6 @@ def load_networks(outputs: Path) -> dict[str, torch.nn.Module | dict]:
     return networks
 
 
-warnings.filterwarnings("ignore", message=r".*type hints to the `predict` method", category=UserWarning)
-
-
 class PaperModel(mlflow.pyfunc.PythonModel):
     """A paper's trained model. After `load_context`: `networks` (phase -> module), `outputs` (the run's train
     outputs folder: records and result files), `paper_id`."""
@@ -68,7 +64,7 @@ class PaperModel(mlflow.pyfunc.PythonModel):
     def modules(self) -> dict[str, torch.nn.Module]:
         return {k: v for k, v in self.networks.items() if isinstance(v, torch.nn.Module)}
 
-    def predict(self, context, model_input, params=None):  # untyped: MLflow would try a signature from hints
+    def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
         fn = PREDICTORS.get(self.paper_id)
         if fn is None:
             raise NotImplementedError(
@@ -94,8 +90,8 @@ def pip_requirements() -> list[str]:
 def save_model(paper_id: str, outputs: Path, path: Path, metadata: dict | None = None) -> None:
     """A train outputs folder as a pyfunc model folder at `path` (what `log_run_model` logs)."""
     # MLflow warns that a Python object is cloudpickled: here it is a reference to this module's class
-    with _quiet("mlflow.pyfunc"), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*type hints to the `predict` method", category=UserWarning)
+    # and that it cannot infer a signature from a DataFrame hint without an example: the input is the paper's table
+    with _quiet("mlflow.pyfunc"):
         mlflow.pyfunc.save_model(path, python_model=PaperModel(paper_id), artifacts={"outputs": str(outputs)},
                                  pip_requirements=pip_requirements(),
                                  metadata={"paperline.paper": paper_id, **(metadata or {})})

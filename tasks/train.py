@@ -32,6 +32,7 @@ from tasks.context import PROGRESS_TAG
 from tasks.settings import mask, verbose
 from tasks.worker import DONE_MARKER, free_port
 
+PHASE_DONE = re.compile(r"\] phase \S+: step (\d+)/\1 loss ")  # PhaseProgress.done's line
 ERROR_LINE = re.compile(r"^(\[[^\]]*\]:)?\s*[A-Za-z_.]*(Error|Exception|Interrupt): ")
 
 
@@ -183,6 +184,8 @@ class PhaseBars:
 
     def print(self, line: str) -> None:
         if self.progress is not None:
+            if PHASE_DONE.search(line):  # the finished bar says it already (the line stays in train.log)
+                return
             self.progress.console.print(line.rstrip("\n"), markup=False, highlight=False, soft_wrap=True)
         else:
             print(line, end="", file=self.stream, flush=True)

@@ -42,9 +42,11 @@ def test_rank_progress_lines_render_as_a_bar_or_as_tenths(monkeypatch, capsys, t
     for info in infos:
         bars.show(info)
     bars.print("[sei train] phase detect: step 50/50 loss 0.0200 (50 steps in 1.0 s, 50.0 it/s)\n")
+    bars.print("[sei train] something else\n")
     bars.close()
     out = tty.getvalue()
-    assert "sei train detect" in out and "50/50" in out and "ETA" in out and "phase detect: step 50/50" in out
+    assert "sei train detect" in out and "50/50" in out and "ETA" in out and "something else" in out
+    assert "phase detect: step 50/50" not in out  # the finished bar says it; the line is in train.log
 
 
 def test_in_process_progress_stays_plain(monkeypatch, capsys, tmp_path):
