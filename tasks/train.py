@@ -363,7 +363,8 @@ def die_with_parent() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-_NOISE = ("[INFO]", "[WARNING]", "UserWarning", "warnings.warn", "[RANK", "FutureWarning", "Setting OMP_NUM_THREADS")
+_NOISE = ("[INFO]", "[WARNING]", "UserWarning", "warnings.warn", "[RANK", "FutureWarning", "Setting OMP_NUM_THREADS",
+          "built successfully")  # DeepSpeed's "deepspeed.ops.comm.deepspeed_shm_comm_op built successfully"
 
 
 def _is_noise(line: str) -> bool:
