@@ -417,12 +417,22 @@ def _quiet():
 
 @contextlib.contextmanager
 def _no_saves():
-    """`torch.save` writes nothing while a paper is planned: what it would save is an untrained model."""
-    save, torch.save = torch.save, lambda *args, **kwargs: None
+    """`torch.save` writes nothing while a paper is planned (what it would save is an untrained fake model); a
+    `torch.load` of a path saved during the plan gets the object back, so a later phase that reloads runs on."""
+    saved: dict[str, Any] = {}
+    save, load = torch.save, torch.load
+
+    def plan_save(obj, f, *args, **kwargs):
+        saved[str(f)] = obj
+
+    def plan_load(f, *args, **kwargs):
+        return saved[str(f)] if str(f) in saved else load(f, *args, **kwargs)
+
+    torch.save, torch.load = plan_save, plan_load
     try:
         yield
     finally:
-        torch.save = save
+        torch.save, torch.load = save, load
 
 
 @contextlib.contextmanager
