@@ -107,7 +107,7 @@ def test_bpe_round_trip_and_info_nce():
 def _tiny_sentence_model(folder):
     """A random 3-layer BERT saved as a sentence-transformers folder (safetensors): the on-disk format of BGE/E5."""
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers import models as st_models
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
     words = "how do i open a bank account the my card is lost reset password what".split()
@@ -117,8 +117,8 @@ def _tiny_sentence_model(folder):
     torch.manual_seed(0)
     BertModel(BertConfig(vocab_size=5 + len(words), hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
                          intermediate_size=32)).save_pretrained(folder / "hf")
-    word = st_models.Transformer(str(folder / "hf"))
-    SentenceTransformer(modules=[word, st_models.Pooling(16, "cls")], device="cpu").save(str(folder / "st"))
+    word = Transformer(str(folder / "hf"))
+    SentenceTransformer(modules=[word, Pooling(16, "cls")], device="cpu").save(str(folder / "st"))
     return folder / "st"
 
 
