@@ -87,6 +87,7 @@ def configure_environment() -> None:
 QUIET_DEFAULTS = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' "Loading weights" bar (and the hub's download bars)
     "TRANSFORMERS_VERBOSITY": "error",
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",  # "Downloading artifacts" bars when a model is logged
 }
 # loggers whose INFO lines are chatter on the console (DVC's stage messages and git advice, MLflow's "Creating
 # initial MLflow database tables", alembic's migrations): kept in the log file, warnings still on the console

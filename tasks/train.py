@@ -174,7 +174,7 @@ class PhaseBars:
             self.started[key], self.shown[key] = (time.monotonic(), step), tenth
             return
         t0, s0 = self.started[key]
-        if tenth <= self.shown[key]:
+        if tenth <= self.shown[key] or step >= total:  # the phase's own last line says the end
             return
         self.shown[key] = tenth
         elapsed = time.monotonic() - t0

@@ -34,7 +34,7 @@ def test_rank_progress_lines_render_as_a_bar_or_as_tenths(monkeypatch, capsys, t
     for info in infos:
         bars.show(info)
     shown = plain.getvalue().splitlines()
-    assert len(shown) == 10 and shown[-1].startswith("[sei train detect] step 50/50 loss 0.0200")
+    assert len(shown) == 9 and shown[-1].startswith("[sei train detect] step 45/50 loss 0.0222")
     assert "ETA" in shown[0]
 
     tty = _Tty()  # a terminal: one bar updated in place, other lines above it
