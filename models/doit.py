@@ -15,9 +15,10 @@ What it implements (function names in brackets):
 - offline RL: a diffusion behaviour policy pi_beta(a | s) (MLP denoiser, DDPM) and an IQL critic (expectile
   regression), trained in one engine with the toy model [EnvNets, iql_losses, train]; the reward r(s, a) = Q(s, a)
   or its quantised r = round(Q / q) q, both called under no_grad [make_reward];
-- baselines: the pretrained policy, Best-of-N with softmax(Q / alpha) resampling (N matched to DOIT-Practical's
-  network evaluations), DPS-style gradient guidance with grad_a Q (Q reward only), SVDD soft value decoding
-  [ddpm_sample, best_of_n, gradient_guided, svdd_sample];
+- baselines: the pretrained policy, Best-of-N resampling (N matched to DOIT-Practical's network evaluations),
+  DPS-style gradient guidance with grad_a Q (Q reward only), SVDD soft value decoding; Best-of-N and SVDD draw the
+  kept sample with DOIT-Practical's standardised weights [ddpm_sample, best_of_n, gradient_guided, svdd_sample,
+  standardised];
 - convergence toy: a 2-D Gaussian-mixture diffusion model, r(x) = 1[x in box], the exact target by self-normalised
   importance weighting of pretrained samples, sliced W2 (POT) of DOIT-Proto at each (M, L) [evaluate_toy].
 
@@ -30,8 +31,12 @@ Deviations from the paper (choices the abstract left open):
 - The DDPM schedule is the VP schedule of diffusion policies (Diffusion-QL, IDQL) rather than a diffusers one: with
   20 steps diffusers' linear schedule ends at abar ~ 0.8 (far from noise) and its cosine one at beta = 0.999.
   Actions are scaled to [-1, 1]; rewards by `reward_scale` before IQL.
-- Best-of-N and SVDD draw the kept sample from softmax(r / alpha) (IDQL's resampling; SVDD's soft value), DOIT uses
-  the spec's standardised weights; the quantised-reward gradient baseline is absent (n/a, not differentiable).
+- Best-of-N and SVDD draw the kept sample from softmax((r - mean r) / (std r tau)) over their N (M) candidates, the
+  same scale-free weights DOIT-Practical uses, instead of IDQL's and SVDD's softmax(r / alpha) on raw Q: a fixed
+  alpha on raw Q is greedy or uniform depending on the critic's scale, which differs by task and by training run,
+  so with it the comparison measured the temperature, not the method. Best-of-N's N is matched to DOIT-Practical's
+  network evaluations; SVDD with DOIT's M spends more (an extra denoiser pass per candidate), not fewer. The
+  quantised-reward gradient baseline is absent (n/a, not differentiable).
 - The "each environment" claim is the mean score over environments plus `method/min_env_margin > 0` (the smallest
   per-environment gap to the best baseline).
 - Full profile: D4RL's MuJoCo medium sets (v2 data) evaluated in gymnasium's v5 tasks (same observation and action
@@ -77,8 +82,8 @@ class Params(PaperParams):
     polyak: float = Field(0.005, gt=0, le=1, description="Polyak rate of the target critics.")
     reward_scale: float = Field(0.1, gt=0, description="Rewards are multiplied by this before IQL.")
     candidates: int = Field(8, ge=2, description="M: Doob candidates per step (also SVDD's candidates).")
-    alpha: float = Field(0.1, gt=0, description="Tilt temperature: target p exp(Q / alpha) (BoN, SVDD, DPS).")
-    tau: float = Field(1.0, gt=0, description="DOIT-Practical's temperature of the standardised weights.")
+    alpha: float = Field(0.1, gt=0, description="Tilt temperature: target p exp(Q / alpha) (DPS, DOIT-Proto).")
+    tau: float = Field(1.0, gt=0, description="Temperature of the standardised weights (DOIT-Practical, BoN, SVDD).")
     guidance: float = Field(1.0, gt=0, description="gamma: scale of the Doob correction of eps.")
     quant_step: float = Field(0.5, gt=0, description="Quantised reward r = round(Q / q) q.")
     eval_episodes: int = Field(4, ge=1, description="Evaluation episodes per task, stepped as one batch.")
@@ -406,6 +411,14 @@ def doob_sample(net: EpsNet, x: torch.Tensor, sched: Schedule, log_h: LogH, m: i
     return x.detach()
 
 
+def standardised(r: torch.Tensor, tau: float) -> torch.Tensor:
+    """Scale-free log-weights (r - mean r) / (std r tau) over the last axis (the candidates); zeros for one
+    candidate. Shared by DOIT-Practical, Best-of-N and SVDD so that every arm weighs the same Q the same way."""
+    if r.shape[-1] < 2:
+        return torch.zeros_like(r)
+    return (r - r.mean(-1, keepdim=True)) / (r.std(-1, keepdim=True) * tau + 1e-8)
+
+
 def practical_log_h(reward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], sched: Schedule, tau: float,
                     cond: torch.Tensor | None, count: Counter | None = None) -> LogH:
     """DOIT-Practical: r at the one-jump x0_hat(x^(m)) (the current eps reused), standardised over the M candidates."""
@@ -415,7 +428,7 @@ def practical_log_h(reward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
         r = reward(x0.reshape(b * m, d), _expand(cond, m)).reshape(b, m)  # (B, M)
         if count is not None:
             count.q += b * m
-        return (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) * tau + 1e-8)
+        return standardised(r, tau)  # (B, M)
     return log_h
 
 
@@ -432,14 +445,14 @@ def proto_log_h(net: EpsNet, reward: Callable[[torch.Tensor], torch.Tensor], sch
 
 
 @torch.no_grad()
-def best_of_n(net: EpsNet, cond: torch.Tensor, n: int, reward, sched: Schedule, alpha: float, g: torch.Generator,
+def best_of_n(net: EpsNet, cond: torch.Tensor, n: int, reward, sched: Schedule, tau: float, g: torch.Generator,
               count: Counter) -> torch.Tensor:
-    """IDQL-style: N behaviour samples per state, keep one drawn from softmax(r / alpha)."""
+    """IDQL-style: N behaviour samples per state, keep one drawn from softmax(standardised(r)) at DOIT's tau."""
     b, d = len(cond), net.net[-1].out_features
     a = ddpm_sample(net, torch.randn((b * n, d), generator=g), sched, g, _expand(cond, n), count=count).clamp(-1, 1)
     r = reward(a, _expand(cond, n)).reshape(b, n)  # (B, N)
     count.q += b * n
-    pick = torch.multinomial((r / alpha).softmax(-1), 1, generator=g)[:, 0]  # (B,)
+    pick = torch.multinomial(standardised(r, tau).softmax(-1), 1, generator=g)[:, 0]  # (B,)
     return a.reshape(b, n, d)[torch.arange(b), pick]
 
 
@@ -463,10 +476,11 @@ def gradient_guided(net: EpsNet, nets: EnvNets, cond: torch.Tensor, sched: Sched
 
 
 @torch.no_grad()
-def svdd_sample(net: EpsNet, cond: torch.Tensor, m: int, reward, sched: Schedule, alpha: float, g: torch.Generator,
+def svdd_sample(net: EpsNet, cond: torch.Tensor, m: int, reward, sched: Schedule, tau: float, g: torch.Generator,
                 count: Counter) -> torch.Tensor:
     """SVDD (soft value-based decoding): at each step draw M next states, value each by r(x0_hat) with the
-    denoiser at the candidate, keep one from softmax(v / alpha); the kept candidate's eps drives the next step."""
+    denoiser at the candidate, keep one from softmax(standardised(v)) at DOIT's tau; the kept candidate's eps
+    drives the next step."""
     b, d = len(cond), net.net[-1].out_features
     x = torch.randn((b, d), generator=g)
     eps = net(x, torch.full((b,), sched.K - 1), cond)
@@ -477,7 +491,7 @@ def svdd_sample(net: EpsNet, cond: torch.Tensor, m: int, reward, sched: Schedule
         eps_c = net(flat, torch.full((b * m,), t - 1), _expand(cond, m))  # (B M, D)
         v = reward(sched.x0(flat, eps_c, t - 1).clamp(-1, 1), _expand(cond, m)).reshape(b, m)
         count.fwd, count.q = count.fwd + b * m, count.q + b * m
-        pick = torch.multinomial((v / alpha).softmax(-1), 1, generator=g)[:, 0]
+        pick = torch.multinomial(standardised(v, tau).softmax(-1), 1, generator=g)[:, 0]
         x, eps = cand[torch.arange(b), pick], eps_c.reshape(b, m, d)[torch.arange(b), pick]
     return sched.mean(x, eps, 0)
 
@@ -508,8 +522,8 @@ def evaluate_env(p: Params, nets: EnvNets, env_id: str, seeds: list[int], ctx=No
                                                              g, s, count=c),
             ("gradient", ""): lambda s, g, c: gradient_guided(net, nets, s, sched, p.alpha, p.guidance, g, c)}
     for suffix, r in rewards.items():
-        runs[("best_of_n", suffix)] = lambda s, g, c, r=r: best_of_n(net, s, n_bon, r, sched, p.alpha, g, c)
-        runs[("svdd", suffix)] = lambda s, g, c, r=r: svdd_sample(net, s, p.candidates, r, sched, p.alpha, g, c)
+        runs[("best_of_n", suffix)] = lambda s, g, c, r=r: best_of_n(net, s, n_bon, r, sched, p.tau, g, c)
+        runs[("svdd", suffix)] = lambda s, g, c, r=r: svdd_sample(net, s, p.candidates, r, sched, p.tau, g, c)
         runs[("doit", suffix)] = lambda s, g, c, r=r: doob_sample(
             net, torch.randn((len(s), act_dim), generator=g), sched,
             practical_log_h(r, sched, p.tau, s, c), p.candidates, p.guidance, g, s, c)

@@ -152,3 +152,32 @@ def test_d4rl_loader_on_tiny_fixture(tmp_path):
     assert d["episode"].tolist() == [0, 0, 0, 1, 1] and d["t"].tolist() == [0, 1, 2, 0, 1]
     assert d["done"].tolist() == [False, False, True, False, False]
     assert np.array_equal(d["s2"][0], obs[1]) and np.array_equal(d["s2"][2], obs[2])
+
+
+def test_baselines_weigh_the_same_q_as_doit_and_are_scale_free(monkeypatch):
+    """Issue 21: Best-of-N and SVDD draw their kept sample from the same standardised weights DOIT-Practical uses,
+    so a critic rescaled by any positive affine map leaves every arm's choice unchanged."""
+    sched, tau = doit.Schedule(4), 0.7
+    net = doit.EpsNet(2, 3, 8, 4)
+    cond = torch.randn(3, 3)
+    real = torch.multinomial
+    probs, qs = [], []
+
+    def multinomial(w, k, generator=None):
+        probs.append(w.clone())
+        return real(w, k, generator=generator)
+
+    def q(a, c):
+        qs.append(a[:, 0] * 3 + a[:, 1] - c[:, 0])
+        return qs[-1]
+
+    monkeypatch.setattr(torch, "multinomial", multinomial)
+    for sampler in (lambda r, g: doit.best_of_n(net, cond, 5, r, sched, tau, g, doit.Counter()),
+                    lambda r, g: doit.svdd_sample(net, cond, 5, r, sched, tau, g, doit.Counter())):
+        probs.clear(), qs.clear()
+        a = sampler(q, torch.Generator().manual_seed(3))
+        for w, r in zip(probs, qs, strict=True):  # DOIT-Practical's weights given the same Q values
+            log_h = doit.practical_log_h(lambda x0, c, r=r: r, sched, tau, cond)
+            assert torch.allclose(w, log_h(torch.zeros(3, 5, 2), torch.zeros(3, 2), 0).softmax(-1), atol=1e-6)
+        rescaled = sampler(lambda x, c: 40 * q(x, c) - 9, torch.Generator().manual_seed(3))
+        assert torch.allclose(a, rescaled, atol=1e-5)
