@@ -55,10 +55,11 @@ def test_quantile_attack_at_level_alpha_has_fpr_alpha_on_calibrated_nonmembers()
 
 
 def test_lira_online_and_offline_directions():
-    # 4 shadows, 2 queries; IN shadows see phi ~ 3, OUT shadows phi ~ 0
-    shadow_in = np.array([[1, 0], [1, 1], [0, 1], [0, 0]], dtype=bool)
-    phi = np.where(shadow_in, 3.0, 0.0) + np.array([[0.1, -0.1], [-0.1, 0.1], [0.1, -0.1], [-0.1, 0.1]])
-    scores = qm.lira_scores(np.array([3.0, 0.0]), phi, shadow_in)
+    # 4 shadows, all OUT of the 2 queries (phi ~ 0); on their pool, IN shadows see phi ~ 3 more than OUT ones
+    jitter = np.array([[0.1, -0.1], [-0.1, 0.1], [0.1, -0.1], [-0.1, 0.1]])
+    pool_in = np.array([[1, 0], [1, 1], [0, 1], [0, 0]], dtype=bool)
+    pool_phi = np.where(pool_in, 3.0, 0.0) + jitter
+    scores = qm.lira_scores(np.array([3.0, 0.0]), jitter, pool_phi, pool_in)
     assert scores["lira_online"][0] > 0 > scores["lira_online"][1]
     assert scores["lira_offline"][0] > scores["lira_offline"][1]
     assert abs(scores["lira_offline"][1]) < 1.0  # at the OUT mean: about zero standard deviations
@@ -76,7 +77,7 @@ def test_roles_keep_class_h_away_from_the_auditor_and_variants_together():
     rng = np.random.default_rng(3)
     labels = np.repeat(np.arange(10), 40)
     roles = qm.assign_roles(labels, 9, 0.5, rng)
-    assert set(roles[labels == 9]) == {"query_member", "query_nonmember", "public_h"}
+    assert set(roles[labels == 9]) == {"member", "query_member", "query_nonmember", "public_h"}
     assert set(roles[labels != 9]) == {"member", "public"}
     images = np.zeros((3, 1, 8, 8), np.float32)
     images[:, 0, 4, 4] = 1.0
@@ -143,3 +144,23 @@ def test_resnet_ensemble_networks_are_independent_resnet18s():
     params = {k: v[1] for k, v in zip(nets.names, nets.stacked, strict=True)}  # network 1 as a plain ResNet-18
     single.load_state_dict(params)
     assert torch.allclose(single(x[1].detach().view(5, 3, 32, 32)), out[1], atol=1e-5)
+
+
+def test_queries_are_a_subset_of_class_h_that_no_shadow_sees():
+    """Issue 21: the unseen-class setting. Every shadow (unseen and seen control) trains on the auditor's public
+    data only: no query, and in the unseen setting no class-h sample at all; queries are a fraction of class h."""
+    rng = np.random.default_rng(5)
+    labels = np.repeat(np.arange(10), 40)
+    roles = qm.assign_roles(labels, 9, 0.5, rng, query_fraction=0.25)
+    src = np.repeat(np.arange(len(labels)), 3)  # three variants per source
+    t = {"role": roles[src], "source_id": src, "label": labels[src]}
+    queries = np.flatnonzero(np.isin(t["role"], ["query_member", "query_nonmember"]))
+    is_h = t["label"] == 9
+    assert 0 < len(queries) < 0.5 * is_h.sum() and (t["label"][queries] == 9).all()
+    for seen in (False, True):
+        pool, in_mask = qm.shadow_sets(t, 4, seen, np.random.default_rng(6))
+        assert in_mask.shape == (4, len(pool)) and (in_mask.sum(0) == 2).all()
+        for k in range(4):
+            assert not np.intersect1d(pool[in_mask[k]], queries).size
+            assert seen or not is_h[pool[in_mask[k]]].any()
+    assert is_h[qm.shadow_sets(t, 4, True, rng)[0]].any()  # the seen control does hold class-h non-members
