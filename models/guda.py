@@ -22,8 +22,10 @@ Deviations from the paper (choices the spec left open):
 - The DDPM ELBO's t = 0 decoder term takes the weight of t = 1 (a Gaussian decoder); constants are dropped.
 - LOGO retrainings share theta*'s initialisation and batches, with the held-out group masked out of each batch,
   so a batch holds fewer examples for them; this removes initialisation noise from the ground truth.
-- The gradient baseline uses the first 8 scoring pairs for its per-example loss; the instance baseline scores
-  training examples with the first 4 pairs. Both are evaluate-time computations with torch.func, not trained nets.
+- Fair arms: every estimator (GUDA's and LOGO's ELBO, the gradient baseline's per-example loss, the instance
+  baseline's ascent loss and its training-example loss) uses the same K scoring pairs [attribution_scores]. The
+  gradient and instance baselines are evaluate-time computations with torch.func, not trained nets; they score the
+  spec's 100 training images per group, not the whole training set.
 - Wall-clock cost is not separable per network in lock-step training, so the speedup is in optimiser steps
   (network-steps: LOGO G x steps x seeds, GUDA G x U).
 - Full profile: CIFAR-10 (python pickles, [load_cifar10]), one group per class, 3x32x32 images through the same
@@ -264,7 +266,8 @@ def _per_example_loss(net, params, x, t, eps, alphas_cumprod, total):
     return (pred - eps).pow(2).mean()
 
 
-def gradient_scores(net, gen, train_x, groups, t, eps, alphas_cumprod, total, n_groups, proj_dim, seed):
+def gradient_scores(net, gen, train_x, groups, t, eps, alphas_cumprod, total, n_groups, proj_dim, seed,
+                    chunk=32):
     """D-TRAK-style: per-example gradients projected to proj_dim, summed cosine similarity per group. (S, G)."""
     params = {k: v.detach() for k, v in net.named_parameters()}
     g_fn = vmap(grad(lambda prm, x: _per_example_loss(net, prm, x, t, eps, alphas_cumprod, total)), in_dims=(None, 0))
@@ -276,16 +279,21 @@ def gradient_scores(net, gen, train_x, groups, t, eps, alphas_cumprod, total, n_
         grads = g_fn(params, x)
         return F.normalize(torch.cat([grads[k].flatten(1) for k in params], 1) @ proj, dim=1)  # (B, d)
 
-    pg, pt = project(gen), torch.cat([project(chunk) for chunk in train_x.split(128)])
+    pg, pt = (torch.cat([project(c) for c in xs.split(chunk)]) for xs in (gen, train_x))  # chunk x K images
     ip = pg @ pt.T  # (S, N)
     return np.stack([ip[:, groups == g].sum(1).numpy() for g in range(n_groups)], 1)
 
 
-def instance_scores(net, gen, train_x, groups, t, eps, alphas_cumprod, total, n_groups, steps, lr):
+def instance_scores(net, gen, train_x, groups, t, eps, alphas_cumprod, total, n_groups, steps, lr, chunk=128):
     """Unlearn each generated x by gradient ascent on its loss; mean training-loss increase per group. (S, G)."""
     params = {k: v.detach() for k, v in net.named_parameters()}
-    train_loss = vmap(lambda prm, x: _per_example_loss(net, prm, x, t[:4], eps[:4], alphas_cumprod, total),
-                      in_dims=(None, 0))
+    per_example = vmap(lambda prm, x: _per_example_loss(net, prm, x, t, eps, alphas_cumprod, total),
+                       in_dims=(None, 0))
+
+    @torch.no_grad()
+    def train_loss(prm: dict, xs: torch.Tensor) -> torch.Tensor:  # (N,), in chunks: N x K noised images each
+        return torch.cat([per_example(prm, c) for c in xs.split(chunk)])
+
     base = train_loss(params, train_x)  # (N,)
     sample_grad = grad(lambda q, x: _per_example_loss(net, q, x, t, eps, alphas_cumprod, total))
     out = []
@@ -308,6 +316,27 @@ def agreement(scores: np.ndarray, logo: np.ndarray) -> dict[str, float]:
             "ndcg3": float(ndcg_score(rel, scores, k=min(3, logo.shape[1])))}
 
 
+def attribution_scores(p: Params, phase1: Phase1, unlearn: Unlearn, gen: torch.Tensor, d: dict,
+                       progress=lambda msg: None) -> dict[str, np.ndarray]:
+    """(S, G) scores of GUDA and of every baseline. Every estimator that needs the diffusion loss gets the same
+    K (t, eps) pairs, d["t"] and d["eps"] (fair arms: none is estimated from fewer noise draws than GUDA)."""
+    t, eps, ab = d["t"], d["eps"], phase1.alphas_cumprod
+    w = dm.ddpm_elbo_weights(ab)
+    score = lambda net: elbo(net, gen, t, eps, w, ab, p.ddpm_steps).numpy()  # noqa: E731
+    full = phase1.nets["full_s0"]
+    scores = {"guda": np.stack([score(unlearn.nets[f"unl{g}"]) for g in range(p.n_groups)], 1)
+              - score(full)[:, None]}
+    scores["similarity"] = similarity_scores(phase1.classifier, gen, d["x"], d["group"], p.n_groups)
+    rng = np.random.default_rng(p.seed)
+    sub = torch.from_numpy(np.concatenate([rng.permutation(np.flatnonzero(d["group"].numpy() == g))[
+        : p.per_group_baseline] for g in range(p.n_groups)]))
+    args = (full, gen, d["x"][sub], d["group"][sub], t, eps, ab, p.ddpm_steps, p.n_groups)
+    scores["gradient"] = gradient_scores(*args, p.proj_dim, p.seed)
+    progress("gradient baseline done; instance-level unlearning")
+    scores["instance_unlearn"] = instance_scores(*args, p.instance_steps, p.instance_lr)
+    return scores
+
+
 # ---- evaluation ----------------------------------------------------------------------------------------------------
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
@@ -324,17 +353,7 @@ def evaluate(ctx) -> dict[str, float]:
 
     logo = np.mean([np.stack([score(phase1.nets[f"logo{g}_s{s}"]) for g in range(p.n_groups)], 1)
                     - score(phase1.nets[f"full_s{s}"])[:, None] for s in range(p.logo_seeds)], 0)  # (S, G)
-    full = phase1.nets["full_s0"]
-    scores = {"guda": np.stack([score(unlearn.nets[f"unl{g}"]) for g in range(p.n_groups)], 1)
-              - score(full)[:, None]}
-    scores["similarity"] = similarity_scores(phase1.classifier, gen, d["x"], d["group"], p.n_groups)
-    rng = np.random.default_rng(p.seed)
-    sub = torch.from_numpy(np.concatenate([rng.permutation(np.flatnonzero(d["group"].numpy() == g))[
-        : p.per_group_baseline] for g in range(p.n_groups)]))
-    args = (full, gen, d["x"][sub], d["group"][sub], d["t"][:8], d["eps"][:8], ab, p.ddpm_steps, p.n_groups)
-    scores["gradient"] = gradient_scores(*args, p.proj_dim, p.seed)
-    ctx.progress("gradient baseline done; instance-level unlearning")
-    scores["instance_unlearn"] = instance_scores(*args, p.instance_steps, p.instance_lr)
+    scores = attribution_scores(p, phase1, unlearn, gen, d, ctx.progress)
 
     metrics = {}
     for name, s in scores.items():

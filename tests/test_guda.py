@@ -110,3 +110,30 @@ def test_cifar10_loader_and_prepare_on_a_pickle_fixture(tmp_path):
     assert sorted(d["group"].tolist()) == [0, 0, 1, 1, 2, 2] and d["x"].abs().max() <= 1
     net = guda.Phase1(p)  # networks take their channels from the data source
     assert net.classifier(d["x"]).shape == (6, 3)
+
+
+def test_every_estimator_uses_the_same_k_scoring_pairs(monkeypatch):
+    """Fair arms: GUDA's ELBO and the gradient and instance baselines' losses all see the K pairs of d["t"]."""
+    torch.manual_seed(0)
+    p = _p(score_pairs=6, per_group_baseline=2, proj_dim=8, instance_steps=1)
+    phase1 = guda.Phase1(p)
+    unlearn = guda.Unlearn(p, phase1.nets["full_s0"].state_dict())
+    d = {"x": torch.randn(9, 1, 8, 8), "group": torch.arange(9) % 3, "t": torch.randint(0, 20, (6,)),
+         "eps": torch.randn(6, 1, 8, 8)}
+    seen = []
+    elbo, per_example = guda.elbo, guda._per_example_loss
+
+    def spy_elbo(net, x, t, eps, *a):
+        seen.append(("elbo", t.tolist(), eps))
+        return elbo(net, x, t, eps, *a)
+
+    def spy_loss(net, prm, x, t, eps, *a):
+        seen.append(("loss", t.tolist(), eps))
+        return per_example(net, prm, x, t, eps, *a)
+
+    monkeypatch.setattr(guda, "elbo", spy_elbo)
+    monkeypatch.setattr(guda, "_per_example_loss", spy_loss)
+    scores = guda.attribution_scores(p, phase1, unlearn, torch.randn(2, 1, 8, 8), d)
+    assert set(scores) == set(guda.METHODS) and all(s.shape == (2, 3) for s in scores.values())
+    assert {kind for kind, _, _ in seen} == {"elbo", "loss"}
+    assert all(t == d["t"].tolist() and eps is d["eps"] for _, t, eps in seen)
