@@ -11,9 +11,10 @@ What it implements (function names in brackets):
   (teacher-forced) through DeepSpeed [LM, answer_targets];
 - at prefill, without retraining, Token Sparse Attention in the sparse layers (the second half): per head, compress
   Q, K, V to the selected tokens, dense causal SDPA, decompress with zeros elsewhere [LM.forward, mode "tsa"];
-- baselines at the matched budget: dense attention; token eviction (tokens selected once, head-averaged, at the
-  first sparse layer, the rest dropped for all later layers; GemFilter / FastKV) [mode "evict"]; 4 sink tokens +
-  sliding window (StreamingLLM's A-shape) [mode "sink"];
+- baselines at the matched budget: dense attention; token eviction (tokens selected once at the first sparse
+  layer by the head-averaged attention probabilities of the observation window, as GemFilter scores them, the rest
+  dropped for all later layers; GemFilter / FastKV) [eviction_scores, mode "evict"]; 4 sink tokens + sliding window
+  (StreamingLLM's A-shape) [mode "sink"];
 - accuracy over coverages c, the kept fraction and FLOP ratio sum_h n_keep^2 / (H L^2), and attention latency
   (scoring + gather + SDPA + scatter vs SDPA) at the profile's lengths [attention_latency].
 
@@ -24,10 +25,20 @@ Deviations from the paper (choices the abstract left open):
   once on a tiny shape in evaluate and are compared with them (and in the tests);
 - every pair / chain is queried in a tail (more answer targets per sequence than the spec's single query, to
   make 400 smoke steps count); accuracy is measured on the final query only;
-- the composition with a block-sparse kernel (top-k blocks of 64) is not implemented: at the smoke length of 128
-  there are only two blocks. Real-benchmark loaders (RULER, LongBench) and Llama-3.1-8B are not implemented.
-- The claim's "at some c" is taken at the coverage with the most pruning whose accuracy drop is at most one
-  point (or, if none, the smallest drop).
+- the block-sparse baseline (alone and composed with a top-k-blocks-of-64 kernel) is not implemented: at the
+  smoke length of 128 there are only two blocks. Real-benchmark loaders (RULER, LongBench) and Llama-3.1-8B are not
+  implemented.
+- eviction scores with GemFilter's rule (attention probabilities, averaged over heads) but over the same W-query
+  observation window and pooling as Token Sparse Attention (GemFilter uses the last query only), so the two
+  methods differ in reversibility and per-head selection, not in their scoring window.
+- The claim's "at some c" is chosen on a validation split (prepare's `val`, as large as the test split, drawn after
+  it so train and test are unchanged): the coverage with the most pruning whose validation accuracy drop is at most
+  one point (or, if none, the smallest drop) [choose_coverage]. Every reported accuracy is on the test split.
+
+Premise (Claim.premises): `dense_above_chance`, the dense model's test accuracy exceeds chance by more than 10
+points, the spec's "undertrained" bar. Chance is the in-context guess, 1 / (distinct value symbols in the sequence)
+averaged over the test sequences [context_chance], stricter than 1/24 over all value symbols: a model that only
+learned "answer with some value seen in the context" does not count as trained.
 """
 
 from __future__ import annotations
@@ -59,7 +70,7 @@ class Params(PaperParams):
     hops: int = Field(2, ge=1, le=6, description="Assignments in a variable-tracking chain.")
     chains: int = Field(3, ge=1, le=6, description="Variable-tracking chains per sequence (each queried).")
     n_train: int = Field(4000, ge=8, description="Training sequences (half per task).")
-    n_test: int = Field(256, ge=4, description="Test sequences (half per task).")
+    n_test: int = Field(256, ge=4, description="Test sequences (half per task); the validation split has as many.")
     width: int = Field(64, ge=8, description="Model width.")
     n_layers: int = Field(4, ge=2, description="Transformer layers; the second half are sparse layers.")
     n_heads: int = Field(4, ge=1, description="Attention heads.")
@@ -122,7 +133,7 @@ def answer_targets(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def prepare(p: Params, out_dir) -> None:
     rng = np.random.default_rng(p.seed)
     cols = {c: [] for c in ("seq_id", "task", "length", "tokens", "answer", "needle_positions", "split")}
-    for split, n in (("train", p.n_train), ("test", p.n_test)):
+    for split, n in (("train", p.n_train), ("test", p.n_test), ("val", p.n_test)):  # val drawn last
         for i in range(n):
             task = "recall" if i % 2 == 0 else "tracking"
             tokens, answer, needles = (make_recall if task == "recall" else make_tracking)(rng, p)
@@ -141,6 +152,13 @@ def _load(data_dir, split):
             t["task"][sel])
 
 
+def context_chance(tokens: torch.Tensor) -> float:
+    """Accuracy of guessing uniformly among the distinct value symbols in each sequence, averaged (B, L) -> float."""
+    values = torch.tensor(list(VALUES))
+    present = (tokens[:, :, None] == values).any(1)  # (B, 24)
+    return float((1.0 / present.sum(1).clamp_min(1)).mean())
+
+
 # ---- the model ---------------------------------------------------------------------------------------------
 def rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """x (B, H, T, dh), pos (B, T) original positions (eviction keeps them after dropping tokens)."""
@@ -149,6 +167,25 @@ def rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     ang = pos[:, None, :, None].float() * freq  # (B, 1, T, half)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x1 * ang.sin() + x2 * ang.cos()], -1)
+
+
+def eviction_scores(q: torch.Tensor, k: torch.Tensor, window: int, pool: int) -> torch.Tensor:
+    """GemFilter's token scores: attention probabilities of the observation-window queries to each earlier key,
+    summed over the window and averaged over heads (B, H, L, dh) -> (B, L - W)."""
+    return T.importance_scores(q, k, window, pool).mean(1)
+
+
+def eviction_indices(q: torch.Tensor, k: torch.Tensor, keep_ratio: float, window: int, pool: int) -> torch.Tensor:
+    """One head-shared selection (B, n_keep + W): top keep_ratio of the earlier tokens by eviction_scores, plus
+    the window, sorted (the same budget rule as T.select_tokens with keep_ratio)."""
+    length = q.shape[-2]
+    w = min(window, length - 1)
+    if keep_ratio >= 1.0:
+        return torch.arange(length, device=q.device).expand(q.shape[0], length)
+    s = eviction_scores(q, k, w, pool)  # (B, L - W)
+    n_keep = max(1, min(s.shape[-1], round(keep_ratio * s.shape[-1])))
+    tail = torch.arange(length - w, length, device=q.device).expand(q.shape[0], w)
+    return torch.cat([s.topk(n_keep, dim=-1).indices, tail], -1).sort(-1).values
 
 
 class LM(nn.Module):
@@ -183,9 +220,8 @@ class LM(nn.Module):
                                                   return_indices=True)
                 budget.setdefault("kept", []).append(idx.shape[-1] / length)
             elif sparse and mode == "evict" and i == self.sparse_from:
-                idx = T.select_tokens(q.mean(1, keepdim=True), k.mean(1, keepdim=True), budget.get("keep_ratio"),
-                                      budget.get("coverage"), budget["window"], budget["pool"], budget["n_min"])
-                keep = idx[:, 0]  # (B, n): one head-averaged selection, dropped tokens never come back
+                # (B, n): one selection by head-averaged attention probabilities; dropped tokens never come back
+                keep = eviction_indices(q, k, budget["keep_ratio"], budget["window"], budget["pool"])
                 budget.setdefault("kept", []).append(keep.shape[-1] / length)
                 x, pos = x.gather(1, keep[..., None].expand(-1, -1, x.shape[-1])), pos.gather(1, keep)
                 q, k, v = (z.gather(2, keep[:, None, :, None].expand(-1, z.shape[1], -1, z.shape[-1]))
@@ -249,6 +285,13 @@ def accuracy(model: LM, tokens, answers, mode="dense", **budget) -> tuple[float,
     return hits / len(tokens), float(np.mean(kept))
 
 
+def choose_coverage(rows: list[dict], dense_val: float) -> dict:
+    """The row (one per coverage c) with the most pruning whose validation accuracy drop from dense is at most one
+    point, or else the smallest validation drop. Reads only `val_acc`, never a test accuracy."""
+    ok = [r for r in rows if dense_val - r["val_acc"] <= 0.01]
+    return max(ok, key=lambda r: r["c"]) if ok else min(rows, key=lambda r: dense_val - r["val_acc"])
+
+
 def attention_latency(length: int, keep_ratio: float, p: Params, repeats: int) -> tuple[float, float]:
     """Median seconds of dense SDPA vs Token Sparse Attention (scoring + gather + SDPA + scatter), one layer's
     attention call on random (1, H, L, dh) tensors."""
@@ -276,24 +319,27 @@ def evaluate(ctx) -> dict[str, float]:
     model.load_state_dict(torch.load(ctx.out_dir / "model.pt"))
     model.eval()
     tokens, answers, tasks = _load(ctx.data_dir, "test")
+    val_tokens, val_answers, _ = _load(ctx.data_dir, "val")
     sel = {"window": p.window, "pool": p.pool, "n_min": p.n_min}
     m: dict[str, float] = {}
     dense_acc, _ = accuracy(model, tokens, answers)
-    m["baseline/dense/accuracy"] = dense_acc
+    dense_val, _ = accuracy(model, val_tokens, val_answers)
+    m["baseline/dense/accuracy"], m["detail/dense/chance_accuracy"] = dense_acc, context_chance(tokens)
+    m["detail/val/dense_accuracy"] = dense_val
     rows = []
     for c in p.coverages:
+        val_acc, _ = accuracy(model, val_tokens, val_answers, "tsa", coverage=c, **sel)
         acc, kept = accuracy(model, tokens, answers, "tsa", coverage=c, **sel)
         n_keep = max(p.window + 1, round(kept * p.seq_len))
         ev_acc, _ = accuracy(model, tokens, answers, "evict", keep_ratio=(n_keep - p.window) / (p.seq_len - p.window),
                              **sel)
         sink_acc, _ = accuracy(model, tokens, answers, "sink", n_keep=n_keep)
-        rows.append({"c": c, "acc": acc, "kept": kept, "evict": ev_acc, "sink": sink_acc})
+        rows.append({"c": c, "val_acc": val_acc, "acc": acc, "kept": kept, "evict": ev_acc, "sink": sink_acc})
         for k_, v_ in rows[-1].items():
             m[f"detail/c{c:g}/{k_}"] = float(v_)
         ctx.progress(f"c={c}: tsa {acc:.3f} (kept {kept:.2f}), evict {ev_acc:.3f}, sink {sink_acc:.3f}, "
                      f"dense {dense_acc:.3f}")
-    ok = [r for r in rows if dense_acc - r["acc"] <= 0.01]
-    best = max(ok, key=lambda r: r["c"]) if ok else min(rows, key=lambda r: dense_acc - r["acc"])
+    best = choose_coverage(rows, dense_val)  # on the validation split; the test split only reports
     # wall-clock timings are measured once per run and kept beside its outputs, so re-evaluating gives the same
     # numbers (the registry test re-runs evaluate and expects identical metrics)
     cache = ctx.out_dir / "latency.json"
@@ -356,12 +402,17 @@ PAPER = Paper(
     train=train,
     evaluate=evaluate,
     primary=("method/speedup_longest", "max"),
-    claim=Claim(all_of=(
-        Compare("baseline/dense/accuracy", ">", 1 / len(VALUES) + 0.10),  # trained: chance + 10 points
-        Compare("method/speedup_longest", ">", 1.0),
-        Compare("method/accuracy_drop", "<=", 0.01),
-        Compare("method/accuracy", ">=", "baseline/eviction/accuracy"),
-        Compare("method/accuracy", ">=", "baseline/sink_window/accuracy"),
-    ), summary="at some coverage: attention faster at the longest length, accuracy within 1 point of dense, "
-               "and at least eviction's and sink+window's at the same budget"),
+    claim=Claim(
+        premises=(  # the spec's "undertrained" bar: dense within 10 points of (in-context) chance is inconclusive
+            Compare("baseline/dense/accuracy", ">", "detail/dense/chance_accuracy", margin=0.10,
+                    name="dense_above_chance"),
+        ),
+        all_of=(
+            Compare("method/speedup_longest", ">", 1.0),
+            Compare("method/accuracy_drop", "<=", 0.01),
+            Compare("method/accuracy", ">=", "baseline/eviction/accuracy"),
+            Compare("method/accuracy", ">=", "baseline/sink_window/accuracy"),
+        ),
+        summary="at a coverage chosen on a validation split: attention faster at the longest length, test "
+                "accuracy within 1 point of dense, and at least eviction's and sink+window's at the same budget"),
 )

@@ -125,3 +125,39 @@ def test_model_modes_run_and_tsa_with_all_tokens_equals_dense():
         for mode, budget in (("tsa", {"coverage": 0.2}), ("evict", {"keep_ratio": 0.3}), ("sink", {"n_keep": 12})):
             out = model(tok, mode, {"window": 8, "pool": 7, "n_min": 2, **budget})
             assert out.shape == (1, 64) and torch.isfinite(out).all()
+
+
+def test_eviction_scores_are_head_averaged_attention_probabilities():
+    """GemFilter's rule: full causal softmax per head, the window queries' probabilities to each earlier key,
+    summed over the window, then averaged over heads (not mean(q) . mean(k))."""
+    q, k, _ = (z.cpu() for z in _qkv(2, 3, 20, 8))
+    w = 5
+    probs = (q @ k.transpose(-1, -2) / 8**0.5).masked_fill(~torch.ones(20, 20, dtype=torch.bool).tril(),
+                                                           float("-inf")).softmax(-1)  # (B, H, L, L)
+    want = probs[..., -w:, : 20 - w].sum(-2).mean(1)  # (B, L - W)
+    assert torch.allclose(M.eviction_scores(q, k, w, pool=1), want, atol=1e-6)
+    # two heads attending to different tokens with opposite queries: mean(q) is zero, the probabilities are not
+    q, k = torch.zeros(1, 2, 24, 4), torch.zeros(1, 2, 24, 4)
+    q[0, 0, :, 0], q[0, 1, :, 0] = 10.0, -10.0
+    k[0, 0, 3, 0], k[0, 1, 9, 0] = 1.0, -1.0
+    idx = M.eviction_indices(q, k, keep_ratio=2 / 16, window=8, pool=1)
+    assert idx.shape == (1, 2 + 8) and idx[0, :2].tolist() == [3, 9]
+
+
+def test_coverage_is_chosen_on_validation_accuracy_only():
+    rows = [{"c": 0.1, "val_acc": 0.90, "acc": 0.50}, {"c": 0.2, "val_acc": 0.95, "acc": 0.99},
+            {"c": 0.3, "val_acc": 0.70, "acc": 1.00}]
+    assert M.choose_coverage(rows, dense_val=0.955)["c"] == 0.2  # the most pruning within a point on val
+    assert M.choose_coverage(rows, dense_val=1.0)["c"] == 0.2  # none within a point: the smallest val drop
+
+
+def test_context_chance_and_validation_split(tmp_path):
+    v = list(M.VALUES)
+    tok = torch.tensor([[M.BOS, 4, M.ASSIGN, v[0], 5, M.ASSIGN, v[1], 6, M.ASSIGN, v[1], M.QUERY, 4],
+                        [M.BOS, 4, M.ASSIGN, v[2], 5, M.ASSIGN, v[3], 6, M.ASSIGN, v[4], M.QUERY, 4]])
+    assert np.isclose(M.context_chance(tok), (1 / 2 + 1 / 3) / 2)
+    p = M.Params(seq_len=48, n_pairs=2, chains=2, n_train=8, n_test=4)
+    M.prepare(p, tmp_path)
+    splits = {s: M._load(tmp_path, s)[0] for s in ("train", "test", "val")}
+    assert [len(splits[s]) for s in ("train", "test", "val")] == [8, 4, 4]
+    assert not torch.equal(splits["test"], splits["val"])
