@@ -33,7 +33,17 @@ Deviations from the paper (choices the abstract left open):
   GFLOPs per surrogate image (generation + observer scoring + MMD kernels), counted with torch's FlopCounterMode.
   The wall-clock of generation + selection is measured in train and written to costs.json beside the metrics.
 - prototypes.parquet holds one row per (class, scale, proto_id, position), the vector being the D-dim code-space
-  prototype at that position.
+  prototype at that position; pool_<generator>.parquet holds each generator's candidate pool (before selection).
+
+Premises (Claim.premises): the claim compares ProtoVAR with other generators, so each generator (VAR with
+prototypes, plain VAR, latent DDPM) must represent its classes at all: `<generator>_represents_classes`, the
+per-class MMD of its pool (before the selector, which could mask a poor generator) to the real class's training
+features is below a bound [generator_mmd]. The paper gives no MMD; it implies that its diffusion baselines
+(D4M / Minimax on a pretrained model) generate class-faithful images. The bound is therefore read off two levels
+of real data in the same observer space, with the same estimator and sample size per class: held-out real images
+of the class (the level a perfect generator reaches) and real images of the other classes (chance: samples of the
+wrong class). The bound is their midpoint: a generator whose samples are not closer to their class than halfway
+to another class's images does not represent its class.
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ from models.contract import Claim, Compare, Paper, PaperParams
 from models.inputs import input_path
 
 ARMS = ("protovar", "random_real", "herding", "diffusion", "plain_var", "protovar_no_selector")
+GENERATORS = ("protovar", "plain_var", "diffusion")  # the pools of sample_pools
 
 
 class Params(PaperParams):
@@ -366,9 +377,10 @@ def count_gflops(fn) -> float:
     return counter.get_total_flops() / 1e9
 
 
-def distil(p: Params, d: dict, tok: Tokenizer, gens: Generators, protos: list[torch.Tensor],
-           latent_std: float) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict]:
-    """Every arm's surrogate set per IPC, and the counted / timed costs of generation + selection."""
+def distil(p: Params, d: dict, tok: Tokenizer, gens: Generators, protos: list[torch.Tensor], latent_std: float
+           ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Every arm's surrogate set per IPC, the counted / timed costs of generation + selection, and each
+    generator's candidate pool (images, labels)."""
     c_all, k_max = p.n_classes, max(p.ipcs)
     classes = torch.arange(c_all).repeat_interleave(p.pool_factor * k_max)  # (C * pool,)
     t0 = time.perf_counter()
@@ -413,7 +425,7 @@ def distil(p: Params, d: dict, tok: Tokenizer, gens: Generators, protos: list[to
                      "protovar_no_selector": len(p.scales) + 1, "random_real": 0, "herding": 0},
              "seconds_per_image": {"generation_var": gen_seconds / len(classes),
                                    "selection": select_seconds / (2 * c_all * sum(p.ipcs))}}
-    return sets, costs
+    return sets, costs, {g: (pools[g], classes) for g in GENERATORS}
 
 
 def train(ctx) -> None:
@@ -455,7 +467,7 @@ def train(ctx) -> None:
     ctx.progress("VAR, latent DDPM and observer in lock-step")
     ctx.fit("generators", ctx.engine(gens, p.lr), gen_step, gen_batch, p.gen_steps)
     gens.eval()
-    sets, costs = distil(p, d, tok, gens, protos, latent_std)  # identical on every rank (same weights, seeds)
+    sets, costs, pools = distil(p, d, tok, gens, protos, latent_std)  # identical on every rank
     ctx.progress(f"distilled {len(sets)} surrogate sets; generation {costs['seconds_per_image']}")
 
     names = [f"{arm}_ipc{k}_s{e}" for arm in ARMS for k in p.ipcs for e in range(p.eval_seeds)]
@@ -483,6 +495,10 @@ def train(ctx) -> None:
                     rows[col].append(v)
         write_table(ctx.out_dir / "prototypes.parquet", {k: np.stack(v) if k == "vector" else v
                                                          for k, v in rows.items()})
+        for g, (x, y) in pools.items():
+            write_table(ctx.out_dir / f"pool_{g}.parquet", {
+                "image_id": np.arange(len(y)), "label": y.numpy(),
+                "pixels": ((x + 1) / 2).reshape(len(y), -1).numpy().astype(np.float32)})
         for key, (x, y) in sets.items():
             arm, k = key.rsplit("_ipc", 1)
             write_table(ctx.out_dir / f"distilled_{arm}_ipc{k}.parquet", {
@@ -492,6 +508,30 @@ def train(ctx) -> None:
 
 
 # ---- evaluation ----------------------------------------------------------------------------------------------------
+def generator_mmd(pools: dict[str, tuple[torch.Tensor, torch.Tensor]], train: tuple[torch.Tensor, torch.Tensor],
+                  test: tuple[torch.Tensor, torch.Tensor], seed: int) -> dict[str, float]:
+    """Class-mean MMD^2 to the real class's training features (features, labels) of each pool, of held-out real
+    images (the real level) and of other classes' held-out images (the wrong-class level), all at the same size
+    per class (the held-out class size, or the pool's if smaller), and the premise's bound: their midpoint."""
+    rng = np.random.default_rng(seed)
+    (ft, yt), (fh, yh) = train, test
+    acc: dict[str, list[float]] = {k: [] for k in ("real_heldout", "wrong_class", *pools)}
+
+    def pick(z: torch.Tensor, n: int) -> torch.Tensor:  # n rows, a seeded random subset
+        return z[torch.from_numpy(rng.permutation(len(z))[:n])]
+
+    for c in torch.unique(yt).tolist():
+        real, held, other = ft[yt == c], fh[yh == c], fh[yh != c]
+        n = min([len(held)] + [int((y == c).sum()) for _, y in pools.values()])
+        acc["real_heldout"].append(mmd2(pick(held, n), real))
+        acc["wrong_class"].append(mmd2(pick(other, n), real))
+        for g, (f, y) in pools.items():
+            acc[g].append(mmd2(pick(f[y == c], n), real))
+    out = {f"detail/mmd/{'pool_' if k in pools else ''}{k}": float(np.mean(v)) for k, v in acc.items()}
+    out["detail/mmd/bound"] = (out["detail/mmd/real_heldout"] + out["detail/mmd/wrong_class"]) / 2
+    return out
+
+
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     d = _load(ctx.data_dir, p)
@@ -523,6 +563,13 @@ def evaluate(ctx) -> dict[str, float]:
                         f"{prefix}mmd_ipc{k}": float(np.mean(mmd)), f"{prefix}diversity_ipc{k}": float(np.mean(div))}
             out[f"{prefix}gen_select_gflops"] = float(saved["costs"]["gflops"][arm])
             out[f"{prefix}nfe_per_image"] = float(saved["costs"]["nfe"][arm])
+        pools = {}
+        for g in GENERATORS:
+            t = read_table(ctx.out_dir / f"pool_{g}.parquet")
+            x = torch.from_numpy(t["pixels"].copy()).view(-1, channels, p.image_size, p.image_size) * 2 - 1
+            pools[g] = (observe(gens.observer, x)[0], torch.from_numpy(t["label"].astype(np.int64)))
+        out |= generator_mmd(pools, (real_feats, d["y"]), (observe(gens.observer, d["x_test"])[0], d["y_test"]),
+                             p.seed)
         recon = tok.decoder(tok.quantize(tok.encoder(d["x_test"]))[1])
         usage = torch.cat(tok.quantize(tok.encoder(d["x"]))[0], 1).unique().numel() / p.codebook_size
     out["detail/tokenizer_test_mse"] = float(F.mse_loss(recon, d["x_test"]))
@@ -574,12 +621,17 @@ PAPER = Paper(
     train=train,
     evaluate=evaluate,
     primary=("method/acc_ipc10", "max"),
-    claim=Claim(all_of=(
-        Compare("method/acc_ipc10", ">", "baseline/diffusion/acc_ipc10"),
-        Compare("method/acc_ipc10", ">", "baseline/plain_var/acc_ipc10"),
-        Compare("method/acc_ipc10", ">=", "baseline/random_real/acc_ipc10"),
-        Compare("method/gen_select_gflops", "<=", "baseline/diffusion/gen_select_gflops"),
-        Compare("method/acc_ipc10", ">", "baseline/protovar_no_selector/acc_ipc10"),
-    ), summary="At IPC 10 ProtoVAR beats latent diffusion, plain VAR and its own no-selector ablation, matches "
-               "random real images, at no more counted compute than diffusion"),
+    claim=Claim(
+        premises=tuple(  # every generator's pool is closer to its class than halfway to another class's images
+            Compare(f"detail/mmd/pool_{g}", "<", "detail/mmd/bound", name=f"{g}_represents_classes")
+            for g in GENERATORS),
+        all_of=(
+            Compare("method/acc_ipc10", ">", "baseline/diffusion/acc_ipc10"),
+            Compare("method/acc_ipc10", ">", "baseline/plain_var/acc_ipc10"),
+            Compare("method/acc_ipc10", ">=", "baseline/random_real/acc_ipc10"),
+            Compare("method/gen_select_gflops", "<=", "baseline/diffusion/gen_select_gflops"),
+            Compare("method/acc_ipc10", ">", "baseline/protovar_no_selector/acc_ipc10"),
+        ),
+        summary="At IPC 10 ProtoVAR beats latent diffusion, plain VAR and its own no-selector ablation, matches "
+                "random real images, at no more counted compute than diffusion"),
 )

@@ -153,3 +153,22 @@ def test_cifar10_and_imagenette_loaders_on_tiny_fixtures(tmp_path):
 def test_params_reject_mismatched_betas():
     with pytest.raises(ValueError, match="betas"):
         pv.Params(betas=(1.0, 2.0))
+
+
+def test_generator_mmd_bound_separates_a_class_faithful_pool_from_a_wrong_class_pool():
+    """The premise's bound is the midpoint of held-out real and wrong-class real MMD: a pool drawn from the class's
+    own distribution lies below it, a pool of the other class's images above it."""
+    g = torch.Generator().manual_seed(0)
+    centres = torch.tensor([[0.0, 0.0], [3.0, 0.0]])
+
+    def draw(labels):
+        return centres[labels] + torch.randn(len(labels), 2, generator=g), labels
+
+    train, test = draw(torch.arange(2).repeat(60)), draw(torch.arange(2).repeat(20))
+    good, bad = draw(torch.arange(2).repeat(30)), draw(torch.arange(2).repeat(30))
+    bad = (bad[0], 1 - bad[1])  # every sample labelled as the other class
+    m = pv.generator_mmd({"good": good, "bad": bad}, train, test, seed=0)
+    assert m["detail/mmd/real_heldout"] < m["detail/mmd/bound"] < m["detail/mmd/wrong_class"]
+    assert m["detail/mmd/pool_good"] < m["detail/mmd/bound"] < m["detail/mmd/pool_bad"]
+    names = {c.left for c in pv.PAPER.claim.premises}
+    assert names == {f"detail/mmd/pool_{g}" for g in pv.GENERATORS}
