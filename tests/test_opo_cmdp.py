@@ -67,3 +67,57 @@ def test_loglog_slope_of_a_sqrt_curve():
     t = np.arange(1, 2001)
     assert abs(o.loglog_slope(3 * np.sqrt(t)) - 0.5) < 1e-6
     assert abs(o.loglog_slope(np.log(t + 1) * 0 + 5.0)) < 1e-6  # saturated regret: slope 0
+
+
+def test_carried_policy_is_exp_of_minus_eta_cumulative_q_hat():
+    """Issue 21: pi_t proportional to exp(-eta sum_{i<t} Q_hat_i), Q_hat_i of pi_i in the model of i's epoch;
+    carried over two epochs (3 episodes in one model, 2 in the next) it equals the replayed sum."""
+    rng = np.random.default_rng(3)
+    (l1, k1), (l2, k2), eta = _tiny(rng, 3, 3, 2), _tiny(rng, 3, 3, 2), 0.7
+    pi, q_sum = np.full(l1.shape, 0.5), np.zeros(l1.shape)
+    for i in range(5):
+        q_sum += o.q_values(*((l1, k1) if i < 3 else (l2, k2)), pi)[0]
+        e = np.exp(-eta * q_sum)
+        pi = e / e.sum(-1, keepdims=True)
+    carried = o.carry_policy(np.full((1, *l1.shape), 0.5), l1[None], k1[None], np.array([3]), eta)
+    carried = o.carry_policy(carried, l2[None], k2[None], np.array([2]), eta)[0]
+    assert np.allclose(carried, pi, atol=1e-12)
+
+
+def test_batched_carry_equals_one_context_at_a_time():
+    rng = np.random.default_rng(4)
+    models = [_tiny(rng, 2, 3, 3) for _ in range(3)]
+    loss, kernel = np.stack([m[0] for m in models]), np.stack([m[1] for m in models])
+    steps, pi0 = np.array([0, 2, 5]), np.full(loss.shape, 1 / 3)
+    batched = o.carry_policy(pi0, loss, kernel, steps, 1.3)
+    for j in range(3):
+        assert np.allclose(batched[j], o.mirror_descent(loss[j], kernel[j], int(steps[j]), 1.3))
+        assert np.allclose(o.q_values(loss, kernel, batched)[0][j], o.q_values(loss[j], kernel[j], batched[j])[0])
+
+
+def test_run_gives_five_timed_blocks_and_nonnegative_regret():
+    p = o.Params(d=2, horizon=2, grid=[(3, 2)], n_f=4, n_p=4, episodes=12, seeds=1)
+    rng = np.random.default_rng(5)
+    w, u, f_true, p_true = o.make_classes(p, 3, 2, rng)
+    contexts = rng.normal(size=(12, 2))
+    for algo in o.ALGOS:
+        res = o.run(p, algo, w, u, f_true, p_true, contexts, np.random.default_rng(6))
+        assert res["block_ms"].shape == (5,) and (res["block_ms"] > 0).all()
+        assert (res["regret"] >= -1e-12).all() and res["oracle_calls"] == 2 * 5  # t = 0, 1, 2, 4, 8
+
+
+def test_epoch_model_is_the_per_context_optimistic_model():
+    p = o.Params(d=3, horizon=2, grid=[(3, 2)], n_f=6, n_p=6, episodes=10)
+    rng = np.random.default_rng(7)
+    w, u, _, _ = o.make_classes(p, 3, 2, rng)
+    learner = o.Learner(6, 6, beta=0.5)
+    learner.loss_f, learner.loss_p = rng.random(6), rng.random(6)
+    learner.oracle()
+    contexts = rng.normal(size=(4, 3))
+    for optimistic in (True, False):
+        loss, kernel = o.epoch_model(contexts, learner, w, u, optimistic)
+        for j, c in enumerate(contexts):
+            f_all, p_all = o.class_values(w, u, c)
+            f_hat = f_all[learner.f_hat]
+            want = np.maximum(0.0, f_hat - learner.bonus(f_all, p_all)) if optimistic else f_hat
+            assert np.allclose(loss[j], want) and np.allclose(kernel[j], p_all[learner.p_hat])

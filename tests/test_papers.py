@@ -30,7 +30,8 @@ def test_paper_test_profile_end_to_end(paper_id, tmp_path):
     assert json.loads((out_dir / "metrics.json").read_text()) == metrics
     claim = paper.claim.decide([metrics, metrics])  # two identical replicates: every part decisive, no NaN
     assert claim.verdict in VERDICTS and len(claim.parts) >= len(paper.claim.all_of)
-    assert all(p.verdict != "inconclusive" for p in claim.parts)
+    # a timed part pools its own timings, which differ within a replicate: only the others must be decisive here
+    assert all(p.verdict != "inconclusive" for p in claim.parts if p.samples == p.replicates)
 
     # the registered model: a pyfunc whose context restores every phase's trained network (flows/serving.py)
     import mlflow.pyfunc
