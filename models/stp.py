@@ -32,6 +32,13 @@ Deviations from the paper (choices the abstract left open):
 - The EGNN is a compact dense version (per-node projections summed per edge, sigmoid edge gate, mean aggregation)
   rather than EDM's exact layer; all arms share it, and train in lock-step in one engine on the same batches,
   noise and time draws.
+
+Premises (Claim.premises): the quality half of the claim (StP's validity and molecule stability >= EDM's) holds by
+construction when EDM's are zero, so the base model must make some valid, stable molecules: `edm_molecules_stable`
+(EDM's molecule stability > 0) and `edm_molecules_valid` (EDM's validity > 0). The bar is "above zero", not a
+level: the spec expects low absolute validity for every arm at this data scale, and only a zero makes the
+comparison empty. A premise that is not met makes the whole verdict inconclusive (Claim has no per-part premises);
+the harmonisation parts still report their intervals.
 """
 
 from __future__ import annotations
@@ -530,15 +537,21 @@ def _plots(folder: Path, d: dict, scales: dict, per_arm: dict, n_all: np.ndarray
 
 def _claim() -> Claim:
     m, edm, glob = "method/", "baseline/edm/", "baseline/global/"
-    return Claim(all_of=(
-        Compare(m + "ts_bin_std", "<", edm + "ts_bin_std"),
-        Compare(m + "ts_abs_slope", "<", edm + "ts_abs_slope"),
-        Compare(m + "validity", ">=", edm + "validity"),
-        Compare(m + "mol_stability", ">=", edm + "mol_stability"),
-        Compare(m + "ts_bin_std", "<", glob + "ts_bin_std"),
-        Compare(m + "ts_abs_slope", "<", glob + "ts_abs_slope"),
-    ), summary="StP harmonises structure-formation times across sizes (vs EDM and a global rescale) "
-               "without losing validity or stability")
+    return Claim(
+        premises=(  # ">= EDM's" is empty when EDM makes no stable or valid molecule at all
+            Compare(edm + "mol_stability", ">", 0.0, name="edm_molecules_stable"),
+            Compare(edm + "validity", ">", 0.0, name="edm_molecules_valid"),
+        ),
+        all_of=(
+            Compare(m + "ts_bin_std", "<", edm + "ts_bin_std"),
+            Compare(m + "ts_abs_slope", "<", edm + "ts_abs_slope"),
+            Compare(m + "validity", ">=", edm + "validity"),
+            Compare(m + "mol_stability", ">=", edm + "mol_stability"),
+            Compare(m + "ts_bin_std", "<", glob + "ts_bin_std"),
+            Compare(m + "ts_abs_slope", "<", glob + "ts_abs_slope"),
+        ),
+        summary="StP harmonises structure-formation times across sizes (vs EDM and a global rescale) "
+                "without losing validity or stability")
 
 
 PAPER = Paper(

@@ -140,3 +140,20 @@ def test_sdf_loader_on_a_tiny_fixture(tmp_path):
     p = stp.Params(dataset="sdf", sdf_path=str(path), n_molecules=3, n_min=3, n_max=9)
     stp.prepare(p, tmp_path)
     assert len(stp._load(tmp_path)["n"]) == 3
+
+
+def test_claim_is_inconclusive_when_edm_makes_no_stable_molecule():
+    """StP >= EDM on validity and stability holds trivially at zero: the premise turns that into 'inconclusive'."""
+    claim = stp.PAPER.claim
+
+    def replicate(r: int, edm_quality: float) -> dict[str, float]:
+        m = {n: 1.0 + 0.01 * r for n in claim.metric_names() if n.startswith("baseline/")}  # baselines' t_s spread
+        m |= {n: 0.5 + 0.01 * r for n in claim.metric_names() if n.startswith("method/")}  # StP's: smaller
+        m |= {"method/validity": edm_quality + 0.1, "method/mol_stability": edm_quality + 0.1,
+              "baseline/edm/validity": edm_quality, "baseline/edm/mol_stability": edm_quality}
+        return m
+
+    worked = claim.decide([replicate(r, 0.2 + 0.01 * r) for r in range(3)])
+    assert worked.verdict == "holds"
+    empty = claim.decide([replicate(r, 0.0) for r in range(3)])
+    assert empty.verdict == "inconclusive" and "edm_molecules_stable" in empty.reason
