@@ -125,3 +125,21 @@ def test_attention_recovery_reads_back_a_planted_soft_match_pattern():
     rec = m.attention_recovery(pattern, tokens, p.model_copy(update={"heads": 1}))
     assert np.isclose(rec["head0/beta_hat"], 1.7, atol=1e-4) and rec["head0/r2"] > 0.999
     assert rec["head0/bos_spearman"] < 0  # more exact matches -> less mass on BOS
+
+
+def test_report_head_searches_every_layer_from_two_up():
+    """Issue 21: the induction head may form above layer 2; the planted overlap head in layer 3 is the one reported,
+    and the premise reads its R^2."""
+    p = _params(T=20, t_min=6)
+    rng = np.random.default_rng(5)
+    tokens = m.sample_tokens(m.sample_chains("A", 8, p, rng), p.T, p.k, rng)
+    L = p.T + 1
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    planted = (1.7 * m.overlap_matrix(torch.from_numpy(tokens), p.S, p.k)).masked_fill(~causal, -torch.inf)
+    noise = torch.randn(len(tokens), L, L, generator=torch.Generator().manual_seed(0)).masked_fill(~causal, -torch.inf)
+    two_heads = p.model_copy(update={"heads": 2})
+    recs = {1: m.attention_recovery(torch.stack([noise, noise.flip(0)], 1).softmax(-1), tokens, two_heads),
+            2: m.attention_recovery(torch.stack([noise, planted], 1).softmax(-1), tokens, two_heads)}
+    assert m.report_head(recs) == (2, 1) and recs[2]["head1/r2"] > 0.999
+    assert max(recs[1][f"head{h}/r2"] for h in range(2)) < 0.5
+    assert [c.name for c in m.PAPER.claim.premises] == ["induction_heads_formed"]
