@@ -33,8 +33,21 @@ Deviations from the paper (choices the spec left open):
 - Intermediate heads are supervised by the physics residual only (teacher-free): K and p are both decoded.
 - The claim's constant bound: speedup >= 1. Zero inference cost (param ratio == 1 at sampling) holds by
   construction and is context; the wall-clock time ratio is logged, not claimed (a loaded CPU decides it).
+- Against the authors' code, which predicts x0, weights the physics residual by 1/(2 sigma_t^2) and takes the
+  mean over the heads, this module deviates on all three (the spec's choices, kept, not retuned): it predicts
+  epsilon (the shared DDPM of models/common/diffusion.py) and forms x0_hat from it; it weights the residuals by
+  w(t) = abar_t, which also grows with the signal-to-noise ratio but is bounded by 1 where 1/(2 sigma_t^2) reaches
+  1/(2 (1 - abar_1)) at the smallest t; and L_REPA sums over the heads, so with H decoder heads the per-head weight
+  is H times the authors' at the same c_proj.
 - Not implemented yet: the DiT backbone and the loaders for the PIDM CSV, channel-flow and topology formats.
 - Honest limit (spec): at 16x16 the U-Net is shallow, so intermediate supervision may add little.
+
+Premise (Claim.premises): `pidm_trained`, the PIDM baseline's relative L2 error of p (ID samples, against a solve
+with the generated K) is below 0.1 [PIDM_L2_BOUND]. A residual comparison between arms that all generate noise
+says nothing about physics alignment. The bound comes from the paper's scale, not from these runs: the authors
+report relative L2 errors of order 1e-2 for trained physics-informed models (1.68e-2 and 8.10e-3 in their Poisson
+head ablation); 0.1 leaves an order of magnitude for the small model and coarse grid, while an error of order 1
+means p is unrelated to the solve (chance).
 """
 
 from __future__ import annotations
@@ -55,6 +68,7 @@ from models.common import diffusion as dm
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
 
+PIDM_L2_BOUND = 0.1  # premise: 10x the paper's O(1e-2) relative L2 errors, far below chance (order 1)
 HEAD_SETS = {  # arm -> (output-level loss, heads)
     "vanilla": (False, ()), "pidm": (True, ()), "intermediate_only": (False, "decoder"), "repa_p": (True, "decoder"),
     "pos_encoder": (True, ("enc1",)), "pos_bottleneck": (True, ("mid",)), "pos_decoder": (True, ("dec1",)),
@@ -436,14 +450,20 @@ PAPER = Paper(
     train=train,
     evaluate=evaluate,
     primary=("method/residual", "min"),
-    claim=Claim(all_of=(
-        Compare("method/residual", "<", "baseline/pidm/residual"),
-        Compare("method/ood_residual", "<", "baseline/pidm/ood_residual"),
-        Compare("method/speedup", ">=", 1.0),
-        Compare("method/residual", "<", "baseline/intermediate_only/residual"),
-    ), context=(  # the same sampling network by construction: zero inference cost is shown, not tested (issue 22)
-        Compare("method/param_ratio", "<=", 1.0),
-        Compare("method/param_ratio", ">=", 1.0),
-    ), summary="REPA-P lowers ID and OOD residuals vs PIDM, converges no slower, adds no inference cost, and beats "
-               "intermediate-only"),
+    claim=Claim(
+        premises=(  # the base model must have learned the physics at all (relative L2 error, the paper's scale)
+            Compare("baseline/pidm/l2_error", "<", PIDM_L2_BOUND, name="pidm_trained"),
+        ),
+        all_of=(
+            Compare("method/residual", "<", "baseline/pidm/residual"),
+            Compare("method/ood_residual", "<", "baseline/pidm/ood_residual"),
+            Compare("method/speedup", ">=", 1.0),
+            Compare("method/residual", "<", "baseline/intermediate_only/residual"),
+        ),
+        context=(  # the same sampling network by construction: zero inference cost is shown, not tested (issue 22)
+            Compare("method/param_ratio", "<=", 1.0),
+            Compare("method/param_ratio", ">=", 1.0),
+        ),
+        summary="REPA-P lowers ID and OOD residuals vs PIDM, converges no slower, adds no inference cost, and "
+                "beats intermediate-only"),
 )

@@ -95,3 +95,19 @@ def test_speedup_counts_steps_to_the_baselines_final_value():
     fast = np.array([4.0, 1.9, 1.0, 1.0, 1.0])  # reaches 2.0 at log 2
     assert rp.speedup(pidm, fast, 25) == 3 / 2
     assert rp.speedup(pidm, np.full(5, 9.0), 25) == 3 / 6  # never reached: more than the whole run
+
+
+def test_claim_is_inconclusive_when_pidm_is_untrained():
+    """Arms that all generate noise (relative L2 error of order 1) do not test physics alignment: the premise
+    pidm_trained fails and the verdict is inconclusive, whatever the residual comparisons say."""
+    claim = rp.PAPER.claim
+
+    def replicate(r: int, pidm_l2: float) -> dict[str, float]:
+        m = {n: 1.0 + 0.01 * r for n in claim.metric_names() if n.startswith("baseline/")}
+        m |= {"method/residual": 0.5 + 0.01 * r, "method/ood_residual": 0.5 + 0.01 * r, "method/speedup": 1.5,
+              "method/param_ratio": 1.0, "baseline/pidm/l2_error": pidm_l2 + 0.001 * r}
+        return m
+
+    assert claim.decide([replicate(r, 0.02) for r in range(3)]).verdict == "holds"
+    noise = claim.decide([replicate(r, 1.0) for r in range(3)])
+    assert noise.verdict == "inconclusive" and "pidm_trained" in noise.reason
