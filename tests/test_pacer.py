@@ -155,3 +155,19 @@ def test_sachs_loader_and_prepare_on_a_tiny_fixture(tmp_path):
     pacer.prepare(params, out)
     g = pacer.load_graphs(out)["sachs"]
     assert g["d"] == 3 and g["truth"].sum() == 2 and len(g["held"]["n"]) == 1 and len(g["train"]["n"]) == 2
+
+
+def test_timing_blocks_split_the_clock_into_five_paired_samples():
+    """Issue 21: the speed part is timed; the 5 block times of the step clock add up to the total elapsed time."""
+    state = {"elapsed": torch.zeros(1), "marks": torch.zeros(12, dtype=torch.float64)}
+    tick = pacer._clock(state)
+    for i in range(12):
+        tick(i)
+    marks = state["marks"].numpy()
+    assert marks[0] == 0 and (np.diff(marks) >= 0).all()
+    blocks = pacer.timing_blocks(marks, float(state["elapsed"]) + 1.0)
+    assert len(blocks) == pacer.TIMING_BLOCKS and np.isclose(sum(blocks), float(state["elapsed"]) + 1.0)
+    assert pacer.timing_blocks(np.arange(10.0), 10.0) == [2.0] * 5
+    timed = [c for c in pacer.PAPER.claim.all_of if c.timed]
+    assert [c.left for c in timed] == ["method/time_s"]
+    assert [c.name for c in pacer.PAPER.claim.premises] == ["search_reaches_exact_optimum"]
