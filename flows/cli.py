@@ -272,7 +272,9 @@ def ui(port: Annotated[int, typer.Option()] = 5000) -> None:
     """Serve the MLflow UI on 127.0.0.1 over the tracking store."""
     store = settings.tracking_uri()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    typer.echo(f"MLflow UI on http://127.0.0.1:{port} (store {settings.mask(store)})")
+    # the link opens MLflow 3's model-training view (its UI starts in the GenAI view otherwise)
+    typer.echo(f"MLflow UI on http://127.0.0.1:{port}/#/experiments?workflowType=machine_learning "
+               f"(store {settings.mask(store)})")
     subprocess.run([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", store, "--default-artifact-root",
                     settings.artifact_root().as_uri(), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
                    env=env, check=False)
