@@ -93,7 +93,11 @@ def test_two_nightly_suites_in_a_row(workspace, prefect_harness):
     first = suite(papers, "test")
     assert [r.get("reused") for r in first] == [False, False]
     # started while sei evaluated (or by its own flow): either way the job it trained in was waiting for it
-    qubo_log = (workspace / "runs" / "qubo_relax" / first[1]["run_id"] / "train.log").read_text()
+    client = tracking.client()
+    parent = client.get_run(first[1]["run_id"])
+    (replicate,) = client.search_runs([parent.info.experiment_id],
+                                      f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    qubo_log = (workspace / "runs" / "qubo_relax" / replicate.info.run_id / "train.log").read_text()
     assert qubo_log.startswith("[launcher] prestarted job")
     params = yaml.safe_load((workspace / "params.yaml").read_text())
     params["papers"]["qubo_relax"]["test"]["starts"] = 12  # one paper's params change during the day
@@ -106,7 +110,6 @@ def test_two_nightly_suites_in_a_row(workspace, prefect_harness):
     assert lines["sei"].status == "skipped" and lines["qubo_relax"].status == "retrained"
     assert "| sei | skipped (unchanged code, params and data" in report
     assert "| qubo_relax | retrained" in report
-    client = tracking.client()
     versions = client.search_model_versions(f"name = '{lifecycle.model_name('qubo_relax')}'")
     assert len(versions) == 2  # one per finished run; the reused sei run registered nothing new
     assert len(client.search_model_versions(f"name = '{lifecycle.model_name('sei')}'")) == 1
