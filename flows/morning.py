@@ -77,7 +77,9 @@ def paper_line(paper_id: str, since_ms: int, profile: str) -> Line:
     exp = client.get_experiment_by_name(f"paperline/{paper_id}")
     if exp is None:
         return Line(paper_id, "not run", "no runs yet")
-    url = f"{ui}/#/experiments/{exp.experiment_id}/runs/"
+    def url(run_id: str) -> str:  # opens in MLflow's model-training view
+        return tracking.ui_link(ui, exp.experiment_id, run_id)
+
     in_profile = f"tags.`paperline.profile` = '{profile}'"
     started = client.search_runs([exp.experiment_id], f"{in_profile} and attributes.start_time >= {since_ms}",
                                  order_by=["attributes.start_time DESC"], max_results=1)
@@ -90,7 +92,7 @@ def paper_line(paper_id: str, since_ms: int, profile: str) -> Line:
     if started and reused and int(reused[0].data.tags["paperline.reused_at"]) > started[0].info.start_time:
         started = []  # the latest event in the window is a reuse: the paper was skipped last
     if started and started[0].info.status != "FINISHED":
-        line = Line(paper_id, "failed", f"run {started[0].info.status.lower()}", run_url=url + started[0].info.run_id)
+        line = Line(paper_id, "failed", f"run {started[0].info.status.lower()}", run_url=url(started[0].info.run_id))
         now = None
     elif started:
         now, line = started[0], Line(paper_id, "retrained", "code, params or data changed, or --force")
@@ -104,12 +106,12 @@ def paper_line(paper_id: str, since_ms: int, profile: str) -> Line:
         line.verdict_before = _verdict(before[0]) if before and line.status == "retrained" else ""
         line.value_now = now.data.metrics.get(metric)
         line.wall_s = now.data.metrics.get("time/total_s") if line.status == "retrained" else None
-        line.run_url = url + now.info.run_id
+        line.run_url = url(now.info.run_id)
     line.metric, line.trend = metric, _trend(finished, metric)
     champ = lifecycle.champion(paper_id, profile)
     if champ:
         line.champion_value, line.champion_version = champ["value"], champ["version"]
-        line.champion_url = url + champ["run_id"]
+        line.champion_url = url(champ["run_id"])
     return line
 
 

@@ -31,7 +31,7 @@ class Row:
     forest: Path | None = None
 
     def url(self, ui: str) -> str:
-        return f"{ui}/#/experiments/{self.experiment_id}/runs/{self.run_id}" if self.run_id else ""
+        return tracking.ui_link(ui, self.experiment_id, self.run_id) if self.run_id else ""
 
 
 def latest_run(paper_id: str, profile: str | None = None):
