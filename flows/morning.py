@@ -77,6 +77,7 @@ def paper_line(paper_id: str, since_ms: int, profile: str) -> Line:
     exp = client.get_experiment_by_name(f"paperline/{paper_id}")
     if exp is None:
         return Line(paper_id, "not run", "no runs yet")
+
     def url(run_id: str) -> str:  # opens in MLflow's model-training view
         return tracking.ui_link(ui, exp.experiment_id, run_id)
 
