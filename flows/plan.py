@@ -108,6 +108,9 @@ def plan_all(profile: str = "full", gpu: str | None = None, mfu: float | None = 
 
 
 def _plan_child(send, job: tuple) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # one core per planner: `workers` of them share the machine
     try:
         send.send(_plan_one(job))
     finally:
