@@ -92,7 +92,10 @@ def _follow_current_streams() -> None:
 
     for name in ("dvc", "dvc_objects", "dvc_data"):
         for handler in logging.getLogger(name).handlers:
-            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            # DVC's own console handlers (and plain ones) only: a test runner's capture handler that reached these
+            # loggers must keep its own stream (pytest reads its StringIO back after every test)
+            own = type(handler) is logging.StreamHandler or type(handler).__module__.startswith("dvc")
+            if own and isinstance(handler, logging.StreamHandler):
                 # not setStream: it flushes the old, closed stream
                 handler.stream = sys.stderr if handler.level >= logging.WARNING else sys.stdout
     # DVC's stage messages and its git advice ("git add dvc.lock", "autostage") into the log file, not the console
