@@ -68,7 +68,9 @@ def forest_plot(result: ClaimResult, path: Path, title: str) -> Path:
 
     colours = {HOLDS: "tab:green", FAILS: "tab:red"}
     parts = list(result.parts)
-    fig, axes = plt.subplots(len(parts), 1, figsize=(7, 0.55 * len(parts) + 1.2), squeeze=False)
+    # one row per part: each effect has its own unit, so each its own x axis
+    fig, axes = plt.subplots(len(parts), 1, figsize=(7, 0.8 * len(parts) + 1.0), squeeze=False,
+                             layout="constrained")
     for ax, part in zip(axes[:, 0], parts, strict=True):
         colour = colours.get(part.verdict, "tab:grey")
         if math.isnan(part.low):
@@ -86,7 +88,6 @@ def forest_plot(result: ClaimResult, path: Path, title: str) -> Path:
         ax.set_title(f"{label}: {part.effect} -> {part.verdict}", fontsize=7, loc="left")
         ax.tick_params(axis="x", labelsize=7)
     fig.suptitle(f"{title}: {result.headline()} ({result.replicates} replicates, 95% t-intervals)", fontsize=8)
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
