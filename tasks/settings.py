@@ -117,7 +117,10 @@ def route_chatter(*names: str) -> None:
     path = chatter_log()
     handler = _chatter_handlers.get(path)
     if handler is None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError:  # the run folder is unusable: the run says so where it writes there; keep the console
+            return
         handler = logging.FileHandler(path, delay=True)
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
         handler.setLevel(logging.INFO)

@@ -99,8 +99,9 @@ def test_unwritable_run_folder_fails_clearly_and_marks_the_run_failed(workspace,
     result = CliRunner().invoke(app, ["run", "sei", "--profile", "test"])
     assert result.exit_code == 1
     assert "error: sei failed:" in result.output and "runs" in result.output
-    (run,) = tracking.client().search_runs([tracking.experiment_id("sei")])
-    assert run.info.status == "FAILED"  # not left RUNNING
+    runs = tracking.client().search_runs([tracking.experiment_id("sei")])
+    assert {r.data.tags["paperline.kind"] for r in runs} == {"pipeline", "replicate"}
+    assert {r.info.status for r in runs} == {"FAILED"}  # the parent and its replicate: not left RUNNING
 
 
 def test_full_disk_fails_clearly_and_marks_the_run_failed(workspace, prefect_harness, tmp_path):
@@ -114,8 +115,8 @@ def test_full_disk_fails_clearly_and_marks_the_run_failed(workspace, prefect_har
         result = CliRunner().invoke(app, ["run", "sei", "--profile", "test"])
         assert result.exit_code == 1
         assert "error: sei failed:" in result.output and "No space left on device" in result.output
-        (run,) = tracking.client().search_runs([tracking.experiment_id("sei")])
-        assert run.info.status == "FAILED"
+        runs = tracking.client().search_runs([tracking.experiment_id("sei")])
+        assert len(runs) == 2 and {r.info.status for r in runs} == {"FAILED"}  # the parent and its replicate
     finally:
         subprocess.run(["umount", "-l", str(runs)])
 
