@@ -130,6 +130,10 @@ def test_real_ranks_with_gloo_equal_tp1_bitwise(world, tmp_path):
     # fork on CPU: the ranks inherit the imported modules (spawn re-imports torch and Triton, seconds apiece); a
     # process that has initialised CUDA cannot fork, so GPUs spawn
     method = "spawn" if torch.cuda.is_available() else "fork"
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # an earlier in-process training left its one-rank group: the ranks must not inherit it
+        dist.destroy_process_group()
     mp.start_processes(_rank_worker, nprocs=world, join=True, start_method=method,
                        args=(world, m, n, k, dtype, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)))
     x, w = _pair(m, n, k, dtype)
