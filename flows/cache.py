@@ -51,17 +51,13 @@ def verdict_of(run) -> str:
     return {"true": "holds", "false": "does not hold"}.get(tags.get("claim.holds", ""), "")
 
 
-def is_default_run(profile: str, overrides: dict[str, Any]) -> bool:
-    return profile == data.DEFAULT_PROFILE and not overrides
-
-
 def lookup(papers: list[str], profile: str, overrides: dict[str, Any]) -> dict[str, PipelineResult]:
     """The earlier finished run of exactly this work, per paper that has one (the others then run). Raises
     ConfigError like `registry.resolve` for an unknown id or profile; unvalidated params simply never match a
     finished run. One DVC repository (and one read of dvc.lock) serves every paper."""
     start = time.perf_counter()
     raw = {pid: registry.raw_params(pid, profile, overrides, settings.params_file()) for pid in papers}
-    default = is_default_run(profile, overrides)
+    default = registry.is_default_run(profile, overrides)
     stages = {pid: [data.stage_location(pid, profile, registry.replicate_raw(raw[pid], i), default and i == 0)
                     for i in range(registry.replicate_count(raw[pid]))] for pid in papers}
     hashes = data.current_hashes([stage for per_paper in stages.values() for stage in per_paper])

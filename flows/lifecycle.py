@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from mlflow.exceptions import MlflowException
 
 from models import registry
+from models.registry import DEFAULT_PROFILE
 from tasks import tracking
 
 CHAMPION, CHALLENGER = "champion", "challenger"
-DEFAULT_PROFILE = "smoke"
 LINEAGE_TAGS = ("paperline.profile", "paperline.data_hash", "paperline.world_size", "mlflow.source.git.commit",
                 "paperline.code_ref", "claim.verdict", "claim.replicates")
 

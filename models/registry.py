@@ -155,12 +155,17 @@ class RunRequest:
 
     @property
     def is_default(self) -> bool:
-        return self.profile == DEFAULT_PROFILE and not self.overrides
+        return is_default_run(self.profile, self.overrides)
 
     def replicate(self, index: int) -> Replicate:
         seed = self.params.seed + index
         params = self.params.model_copy(update={"seed": seed, "replicates": 1})
         return Replicate(index, replicate_raw(self.raw, index), params, self.is_default and index == 0)
+
+
+def is_default_run(profile: str, overrides: Mapping[str, Any] | None) -> bool:
+    """The run `paperline run <id>` makes: its first replicate's data is the hand-written `prepare@<id>` stage."""
+    return profile == DEFAULT_PROFILE and not overrides
 
 
 def replicate_raw(raw: Mapping[str, Any], index: int) -> dict[str, Any]:

@@ -25,7 +25,6 @@ import yaml
 
 from models.contract import Paper, PaperParams
 from models.inputs import input_path
-from models.registry import DEFAULT_PROFILE  # noqa: F401 - re-exported: the default run's stage is prepare@<id>
 from tasks import settings
 
 
