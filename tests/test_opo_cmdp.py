@@ -121,3 +121,12 @@ def test_epoch_model_is_the_per_context_optimistic_model():
             f_hat = f_all[learner.f_hat]
             want = np.maximum(0.0, f_hat - learner.bonus(f_all, p_all)) if optimistic else f_hat
             assert np.allclose(loss[j], want) and np.allclose(kernel[j], p_all[learner.p_hat])
+
+
+def test_late_over_early_reads_learning():
+    """A sqrt(t) regret curve's per-episode regret falls to about a sixth; a flat one stays at 1; the premise is
+    declared on it."""
+    t = np.arange(1, 1001)
+    assert 0.1 < o.late_over_early(1 / np.sqrt(t)) < 0.2
+    assert o.late_over_early(np.full(1000, 0.3)) == 1.0
+    assert [c.name for c in o.PAPER.claim.premises] == ["opo_learns"]
