@@ -164,3 +164,17 @@ def test_queries_are_a_subset_of_class_h_that_no_shadow_sees():
             assert not np.intersect1d(pool[in_mask[k]], queries).size
             assert seen or not is_h[pool[in_mask[k]]].any()
     assert is_h[qm.shadow_sets(t, 4, True, rng)[0]].any()  # the seen control does hold class-h non-members
+
+
+def test_premises_name_a_generalising_target_that_leaks_membership():
+    """The claim is inconclusive unless the target generalises (seen-class accuracy >= 0.8) and the shadow-free
+    global threshold separates class-h members from non-members above chance (AUROC > 0.5)."""
+    prem = {c.name: c for c in qm.PAPER.claim.premises}
+    assert set(prem) == {"target_generalises", "membership_leaks"}
+    member = np.r_[np.ones(50, bool), np.zeros(50, bool)]
+    rng = np.random.default_rng(0)
+    leaky, blind = qm._metrics(member, member + rng.normal(0, 1, 100)), qm._metrics(member, rng.normal(0, 1, 100))
+    assert leaky["auroc"] > 0.7 and abs(blind["auroc"] - 0.5) < 0.15
+    ok = {"detail/target_seen_class_test_acc": 0.9, "baseline/global_threshold/auroc": leaky["auroc"]}
+    assert all(prem[n].differences(ok)[0][0] > 0 for n in prem)
+    assert prem["membership_leaks"].differences({**ok, "baseline/global_threshold/auroc": 0.5})[0][0] <= 0
