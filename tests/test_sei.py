@@ -91,3 +91,16 @@ def test_image_folder_loader_reads_the_isic_layout(tmp_path):
     (tmp_path / "labels.csv").write_text("image,label\nISIC_0000000.jpg,nevus\nISIC_0000001.jpg,melanoma\n")
     x, y, k = sei.load_image_folder(tmp_path, 8)  # a label column; file names with their extension
     assert k == 2 and y.tolist() == [1, 0]
+
+
+def test_claim_text_says_minilm_prompts_stand_in_for_clip_rn50():
+    """Issue 22: the claim's text, which the claim line and the scoreboard print beside the numbers, says that the
+    CLIP-style tower is scored against MiniLM prompts standing in for CLIP RN50; the parts stay those of Claim."""
+    from models.verdicts import Claim
+
+    claim = sei.PAPER.claim
+    assert "MiniLM" in claim.text() and "CLIP RN50" in claim.text() and "an image of class c" in claim.text()
+    plain = Claim(all_of=claim.all_of, premises=claim.premises)
+    assert claim.text().startswith(plain.text() + " [")
+    metrics = {n: 0.5 for n in claim.metric_names()}
+    assert claim.decide([metrics, metrics]).text == claim.text()
