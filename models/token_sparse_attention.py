@@ -15,8 +15,14 @@ What it implements (function names in brackets):
   layer by the head-averaged attention probabilities of the observation window, as GemFilter scores them, the rest
   dropped for all later layers; GemFilter / FastKV) [eviction_scores, mode "evict"]; 4 sink tokens + sliding window
   (StreamingLLM's A-shape) [mode "sink"];
+- block-sparse attention (per head and query block, the top fraction of causal key blocks by mean-pooled q . k,
+  the diagonal block always; only the selected blocks are gathered and multiplied) alone in the sparse layers
+  [block_sparse_attention, mode "block"], and composed with Token Sparse Attention, the block-sparse kernel taking
+  the compressed Q, K, V in place of dense attention [composed_attention, mode "tsa_block"];
 - accuracy over coverages c, the kept fraction and FLOP ratio sum_h n_keep^2 / (H L^2), and attention latency
-  (scoring + gather + SDPA + scatter vs SDPA) at the profile's lengths [attention_latency].
+  (scoring + gather + SDPA + scatter vs SDPA; block-sparse alone vs composed) at the profile's lengths, the arms
+  interleaved in each repeat [attention_latency]. The two speed parts of the claim are wall clock and `timed`:
+  each repeat at the longest length is one paired sample (dense / method, block-sparse / composed).
 
 Deviations from the paper (choices the abstract left open):
 - scoring and budget rules are the spec's (observation window W = 16, pooling 7, coverage budget); the budget is
@@ -25,9 +31,12 @@ Deviations from the paper (choices the abstract left open):
   once on a tiny shape in evaluate and are compared with them (and in the tests);
 - every pair / chain is queried in a tail (more answer targets per sequence than the spec's single query, to
   make 400 smoke steps count); accuracy is measured on the final query only;
-- the block-sparse baseline (alone and composed with a top-k-blocks-of-64 kernel) is not implemented: at the
-  smoke length of 128 there are only two blocks. Real-benchmark loaders (RULER, LongBench) and Llama-3.1-8B are not
-  implemented.
+- the block-sparse kernel is PyTorch (indexing + batched matmul), not Triton, and its block selection (a fixed
+  fraction `block_keep` of the causal blocks by pooled scores) is ours, standing in for FlexPrefill's adaptive
+  budget. Blocks are the spec's 64 in full; smoke uses 16 (at L = 128, blocks of 64 leave only two). On CPU this
+  kernel is slower than SDPA's fused dense kernel, so the claim compares the composed path with block-sparse
+  alone (the paper's "composes with sparse kernels"), not block-sparse with dense. The composed accuracy is at the
+  coverage chosen on validation. Real-benchmark loaders (RULER, LongBench) and Llama-3.1-8B are not implemented.
 - eviction scores with GemFilter's rule (attention probabilities, averaged over heads) but over the same W-query
   observation window and pooling as Token Sparse Attention (GemFilter uses the last query only), so the two
   methods differ in reversibility and per-head selection, not in their scoring window.
@@ -44,6 +53,7 @@ learned "answer with some value seen in the context" does not count as trained.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 
@@ -82,7 +92,11 @@ class Params(PaperParams):
     n_min: int = Field(8, ge=1, description="Minimum kept tokens per head besides the window.")
     coverages: list[float] = Field([0.05, 0.1, 0.2, 0.3], min_length=1, description="Coverage values c.")
     latency_lengths: list[int] = Field([1024, 2048, 4096], min_length=1, description="Lengths timed.")
-    latency_repeats: int = Field(3, ge=1, description="Timing repeats (median).")
+    latency_repeats: int = Field(5, ge=5, description="Timing repeats, interleaved across the arms; at the longest "
+                                 "length each repeat's ratio is one timed sample of the claim.")
+    block_size: int = Field(64, ge=2, description="Block of the block-sparse baseline (the spec's 64).")
+    block_keep: float = Field(0.5, gt=0, le=1, description="Fraction of the causal key blocks each query block "
+                              "keeps (top by mean-pooled q . k, the diagonal block always).")
 
 
 # ---- data --------------------------------------------------------------------------------------------------
@@ -188,6 +202,46 @@ def eviction_indices(q: torch.Tensor, k: torch.Tensor, keep_ratio: float, window
     return torch.cat([s.topk(n_keep, dim=-1).indices, tail], -1).sort(-1).values
 
 
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, keep: float) -> torch.Tensor:
+    """Causal block-sparse attention (B, H, L, D) -> (B, H, L, D): per head and query block i, the top
+    ceil(keep * (i + 1)) of its i + 1 causal key blocks by mean-pooled q . mean-pooled k, the diagonal block always
+    among them; each query attends to the selected blocks' keys only (causal within the diagonal block). Only the
+    selected blocks are gathered and multiplied: the work is keep of the causal blocks', not dense work masked."""
+    b, h, length, d = q.shape
+    nb = -(-length // block)
+    pad = nb * block - length
+    q, k, v = (F.pad(z, (0, 0, 0, pad)) for z in (q, k, v))
+    qb, kb, vb = (z.view(b, h, nb, block, d) for z in (q, k, v))  # (B, H, nb, block, D)
+    i_, j_ = torch.arange(nb, device=q.device)[:, None], torch.arange(nb, device=q.device)[None, :]
+    s = qb.mean(3) @ kb.mean(3).transpose(-1, -2)  # (B, H, nb, nb) block scores
+    s = s.masked_fill(j_ > i_, float("-inf")).masked_fill(j_ == i_, float("inf"))
+    top = max(1, math.ceil(keep * nb))
+    sel = s.topk(top, -1).indices  # (B, H, nb, top) best first
+    valid = torch.arange(top, device=q.device) < (keep * (i_ + 1) - 1e-9).ceil()  # (nb, top): row i quota
+    bi = torch.arange(b, device=q.device)[:, None, None, None]
+    hi = torch.arange(h, device=q.device)[None, :, None, None]
+    kg, vg = (z[bi, hi, sel].flatten(3, 4) for z in (kb, vb))  # (B, H, nb, top * block, D): selected blocks only
+    # the diagonal block is always selected first (score +inf): only its keys need the causal triangle; the blocks
+    # beyond a row's quota are masked out (their indices are arbitrary)
+    bias = torch.zeros(nb, top, block, device=q.device).masked_fill(~valid[..., None], float("-inf"))
+    bias = bias.flatten(1)[:, None, :].repeat(1, block, 1)  # (nb, block, top * block)
+    bias[:, :, :block].masked_fill_(~torch.ones(block, block, dtype=torch.bool, device=q.device).tril(),
+                                    float("-inf"))
+    logits = (qb @ kg.transpose(-1, -2)).mul_(1 / math.sqrt(d)).add_(bias)  # (B, H, nb, block, top * block)
+    out = logits.softmax(-1) @ vg  # (B, H, nb, block, D)
+    return out.flatten(2, 3)[:, :, :length]
+
+
+def composed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, block_keep: float,
+                       **selection) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token Sparse Attention with the block-sparse kernel in place of dense attention on the compressed tensors
+    (sorted indices keep causal order, so block causality on compressed positions is valid): select, gather,
+    block-sparse attention, scatter. Returns the output (B, H, L, D) and the kept indices (B, H, n)."""
+    idx = T.select_tokens(q, k, **selection)  # (B, H, n)
+    qc, kc, vc = (T.gather_tokens_ref(z, idx) for z in (q, k, v))  # (B, H, n, D)
+    return T.scatter_tokens_ref(block_sparse_attention(qc, kc, vc, block, block_keep), idx, q.shape[-2]), idx
+
+
 class LM(nn.Module):
     def __init__(self, p: Params):
         super().__init__()
@@ -204,8 +258,8 @@ class LM(nn.Module):
     def forward(self, tokens: torch.Tensor, mode: str = "dense", budget: dict | None = None,
                 all_positions: bool = False) -> torch.Tensor:
         """(B, L) -> logits of the last position (B, 64), or of every position (B, L, 64) for training.
-        mode: dense | tsa | evict | sink; `budget` holds keep_ratio / coverage and the selection settings, and
-        collects kept fractions under "kept"."""
+        mode: dense | tsa | evict | sink | block | tsa_block; `budget` holds keep_ratio / coverage, the selection
+        and block settings, and collects kept fractions under "kept"."""
         b, length = tokens.shape
         pos = torch.arange(length, device=tokens.device).expand(b, length)
         x = self.emb(tokens)  # (B, L, d)
@@ -219,6 +273,13 @@ class LM(nn.Module):
                                                   pool=budget["pool"], n_min=budget["n_min"], use_triton=False,
                                                   return_indices=True)
                 budget.setdefault("kept", []).append(idx.shape[-1] / length)
+            elif sparse and mode == "tsa_block":
+                y, idx = composed_attention(q, k, v, budget["block"], budget["block_keep"],
+                                            keep_ratio=budget.get("keep_ratio"), coverage=budget.get("coverage"),
+                                            window=budget["window"], pool=budget["pool"], n_min=budget["n_min"])
+                budget.setdefault("kept", []).append(idx.shape[-1] / length)
+            elif sparse and mode == "block":
+                y = block_sparse_attention(q, k, v, budget["block"], budget["block_keep"])
             elif sparse and mode == "evict" and i == self.sparse_from:
                 # (B, n): one selection by head-averaged attention probabilities; dropped tokens never come back
                 keep = eviction_indices(q, k, budget["keep_ratio"], budget["window"], budget["pool"])
@@ -292,25 +353,29 @@ def choose_coverage(rows: list[dict], dense_val: float) -> dict:
     return max(ok, key=lambda r: r["c"]) if ok else min(rows, key=lambda r: dense_val - r["val_acc"])
 
 
-def attention_latency(length: int, keep_ratio: float, p: Params, repeats: int) -> tuple[float, float]:
-    """Median seconds of dense SDPA vs Token Sparse Attention (scoring + gather + SDPA + scatter), one layer's
-    attention call on random (1, H, L, dh) tensors."""
+def attention_latency(length: int, keep_ratio: float, p: Params, repeats: int) -> dict[str, list[float]]:
+    """Seconds of one layer's attention call on random (1, H, L, dh) tensors, `repeats` times per arm, the arms
+    interleaved within each repeat (so a repeat's ratios share the machine's state): dense SDPA, Token Sparse
+    Attention (scoring + gather + SDPA + scatter), block-sparse alone, and the two composed."""
     g = torch.Generator().manual_seed(length)
     q, k, v = (torch.randn(1, p.n_heads, length, p.width // p.n_heads, generator=g) for _ in range(3))
-
-    def timed(fn):
+    arms = {
+        "dense": lambda: T.dense_attention_ref(q, k, v),
+        "tsa": lambda: T.token_sparse_attention(q, k, v, keep_ratio=keep_ratio, window=p.window, pool=p.pool,
+                                                use_triton=False),
+        "block": lambda: block_sparse_attention(q, k, v, p.block_size, p.block_keep),
+        "composed": lambda: composed_attention(q, k, v, p.block_size, p.block_keep, keep_ratio=keep_ratio,
+                                               window=p.window, pool=p.pool),
+    }
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    for fn in arms.values():
         fn()  # warm-up
-        times = []
-        for _ in range(repeats):
+    for _ in range(repeats):
+        for name, fn in arms.items():
             t0 = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    dense = timed(lambda: T.dense_attention_ref(q, k, v))
-    sparse = timed(lambda: T.token_sparse_attention(q, k, v, keep_ratio=keep_ratio, window=p.window, pool=p.pool,
-                                                    use_triton=False))
-    return dense, sparse
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def evaluate(ctx) -> dict[str, float]:
@@ -340,10 +405,13 @@ def evaluate(ctx) -> dict[str, float]:
         ctx.progress(f"c={c}: tsa {acc:.3f} (kept {kept:.2f}), evict {ev_acc:.3f}, sink {sink_acc:.3f}, "
                      f"dense {dense_acc:.3f}")
     best = choose_coverage(rows, dense_val)  # on the validation split; the test split only reports
+    blk = {"block": p.block_size, "block_keep": p.block_keep}
+    block_acc, _ = accuracy(model, tokens, answers, "block", **blk)
+    composed_acc, _ = accuracy(model, tokens, answers, "tsa_block", coverage=best["c"], **sel, **blk)
     # wall-clock timings are measured once per run and kept beside its outputs, so re-evaluating gives the same
     # numbers (the registry test re-runs evaluate and expects identical metrics)
     cache = ctx.out_dir / "latency.json"
-    key = f"{best['kept']:.6f}"
+    key = f"{best['kept']:.6f}/{p.block_size}/{p.block_keep:g}"
     timings = json.loads(cache.read_text()) if cache.exists() else {}
     if key not in timings:
         with torch_threads(available_cpus()):  # the latency probe times long sequences on every core
@@ -351,14 +419,22 @@ def evaluate(ctx) -> dict[str, float]:
                             for n in p.latency_lengths}
         cache.write_text(json.dumps(timings))
     for length in p.latency_lengths:
-        d_t, s_t = timings[key][str(length)]
-        m[f"detail/latency/L{length}/dense_ms"], m[f"detail/latency/L{length}/tsa_ms"] = 1e3 * d_t, 1e3 * s_t
-        m[f"detail/latency/L{length}/speedup"] = d_t / s_t
-    dense_t, sparse_t = timings[key][str(max(p.latency_lengths))]
+        t = {arm: statistics.median(v) for arm, v in timings[key][str(length)].items()}
+        for arm, sec in t.items():
+            m[f"detail/latency/L{length}/{arm}_ms"] = 1e3 * sec
+        m[f"detail/latency/L{length}/speedup"] = t["dense"] / t["tsa"]
+        m[f"detail/latency/L{length}/composed_vs_block_speedup"] = t["block"] / t["composed"]
+    longest = timings[key][str(max(p.latency_lengths))]  # the timed samples: one ratio per interleaved repeat
+    speedup = [d_ / s_ for d_, s_ in zip(longest["dense"], longest["tsa"], strict=True)]
+    composed = [b_ / c_ for b_, c_ in zip(longest["block"], longest["composed"], strict=True)]
+    m |= {f"method/speedup_longest/k{i}": v_ for i, v_ in enumerate(speedup)}
+    m |= {f"method/composed/speedup_vs_block/k{i}": v_ for i, v_ in enumerate(composed)}
     m |= {"method/accuracy": best["acc"], "method/accuracy_drop": dense_acc - best["acc"],
           "method/coverage": best["c"], "method/kept_fraction": best["kept"],
           "method/flop_ratio": best["kept"] ** 2,  # sum_h n_keep^2 / (H L^2), equal budgets per head
-          "method/speedup_longest": dense_t / sparse_t,
+          "method/speedup_longest": statistics.median(speedup),
+          "method/composed/speedup_vs_block": statistics.median(composed),
+          "method/composed/accuracy": composed_acc, "baseline/block_sparse/accuracy": block_acc,
           "baseline/eviction/accuracy": best["evict"], "baseline/sink_window/accuracy": best["sink"]}
     for task in ("recall", "tracking"):
         s = tasks == task
@@ -408,11 +484,16 @@ PAPER = Paper(
                     name="dense_above_chance"),
         ),
         all_of=(
-            Compare("method/speedup_longest", ">", 1.0),
+            Compare("method/speedup_longest", ">", 1.0, timed=True),
             Compare("method/accuracy_drop", "<=", 0.01),
             Compare("method/accuracy", ">=", "baseline/eviction/accuracy"),
             Compare("method/accuracy", ">=", "baseline/sink_window/accuracy"),
+            # composes with sparse-attention kernels: faster than block-sparse alone, within a point of its accuracy
+            Compare("method/composed/speedup_vs_block", ">", 1.0, timed=True),
+            Compare("method/composed/accuracy", ">=", "baseline/block_sparse/accuracy", margin=-0.01),
         ),
-        summary="at a coverage chosen on a validation split: attention faster at the longest length, test "
-                "accuracy within 1 point of dense, and at least eviction's and sink+window's at the same budget"),
+        summary="at a coverage chosen on a validation split: attention faster at the longest length (timed), test "
+                "accuracy within 1 point of dense, and at least eviction's and sink+window's at the same budget; "
+                "composed with block-sparse attention: faster than block-sparse alone (timed) and within 1 point "
+                "of its accuracy"),
 )

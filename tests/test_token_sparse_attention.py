@@ -122,7 +122,9 @@ def test_model_modes_run_and_tsa_with_all_tokens_equals_dense():
     with torch.no_grad():
         dense = model(tok)
         assert torch.equal(model(tok, "tsa", {"keep_ratio": 1.0, "window": 8, "pool": 7, "n_min": 2}), dense)
-        for mode, budget in (("tsa", {"coverage": 0.2}), ("evict", {"keep_ratio": 0.3}), ("sink", {"n_keep": 12})):
+        blk = {"block": 8, "block_keep": 0.5}
+        for mode, budget in (("tsa", {"coverage": 0.2}), ("evict", {"keep_ratio": 0.3}), ("sink", {"n_keep": 12}),
+                             ("block", blk), ("tsa_block", {"coverage": 0.2, **blk})):
             out = model(tok, mode, {"window": 8, "pool": 7, "n_min": 2, **budget})
             assert out.shape == (1, 64) and torch.isfinite(out).all()
 
@@ -161,3 +163,46 @@ def test_context_chance_and_validation_split(tmp_path):
     splits = {s: M._load(tmp_path, s)[0] for s in ("train", "test", "val")}
     assert [len(splits[s]) for s in ("train", "test", "val")] == [8, 4, 4]
     assert not torch.equal(splits["test"], splits["val"])
+
+
+def _block_sparse_by_mask(q, k, v, block, keep):
+    """The same selection written as a dense (L, L) mask over full attention, one (batch, head) at a time."""
+    b, h, length, d = q.shape
+    nb = -(-length // block)
+    pad = nb * block - length
+    qm, km = (torch.nn.functional.pad(z, (0, 0, 0, pad)).view(b, h, nb, block, d).mean(3) for z in (q, k))
+    out = torch.zeros_like(q)
+    for bi in range(b):
+        for hi in range(h):
+            mask = torch.zeros(length, length, dtype=torch.bool)
+            for i in range(nb):
+                score = qm[bi, hi, i] @ km[bi, hi, : i + 1].T
+                score[i] = float("inf")
+                for j in score.topk(int(np.ceil(keep * (i + 1) - 1e-9))).indices.tolist():
+                    mask[i * block : (i + 1) * block, j * block : (j + 1) * block] = True
+            mask &= torch.ones(length, length, dtype=torch.bool).tril()
+            out[bi, hi] = torch.nn.functional.scaled_dot_product_attention(q[bi, hi], k[bi, hi], v[bi, hi],
+                                                                           attn_mask=mask)
+    return out
+
+
+@pytest.mark.parametrize("keep", [0.3, 0.5, 1.0])
+def test_block_sparse_attention_matches_masked_dense_attention(keep):
+    """Gathering only the selected blocks equals full attention under the block mask; keep = 1 is dense."""
+    q, k, v = (z.cpu() for z in _qkv(2, 3, 70, 8))
+    got = M.block_sparse_attention(q, k, v, block=16, keep=keep)
+    assert torch.allclose(got, _block_sparse_by_mask(q, k, v, 16, keep), atol=1e-5)
+    if keep == 1.0:
+        assert torch.allclose(got, T.dense_attention_ref(q, k, v), atol=1e-5)
+
+
+def test_composed_attention_is_block_sparse_on_the_kept_tokens():
+    q, k, v = (z.cpu() for z in _qkv(1, 2, 64, 8, seed=1))
+    out, idx = M.composed_attention(q, k, v, 8, 0.5, keep_ratio=0.5, window=8, pool=3, n_min=2)
+    assert torch.equal(idx, T.select_tokens(q, k, keep_ratio=0.5, window=8, pool=3, n_min=2))
+    want = M.block_sparse_attention(*(T.gather_tokens_ref(z, idx) for z in (q, k, v)), block=8, keep=0.5)
+    assert torch.allclose(out.gather(2, idx[..., None].expand(-1, -1, -1, 8)), want)
+    dropped = torch.ones(1, 2, 64, dtype=torch.bool).scatter(2, idx, False)
+    assert (out[dropped] == 0).all()  # decompressed: zeros where a head dropped the token
+    full, _ = M.composed_attention(q, k, v, 8, 1.0, keep_ratio=1.0, window=8, pool=3, n_min=2)
+    assert torch.allclose(full, T.dense_attention_ref(q, k, v), atol=1e-5)
