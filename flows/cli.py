@@ -225,6 +225,9 @@ def plan(
                            else "\n\n".join(planning.phase_table(p) for p in plans))
     except registry.ConfigError as e:
         _fail(str(e))
+    for p in plans:
+        if "error" not in p and p["fits"] and not p["complete"]:
+            typer.secho(f"{p['paper']}: plan incomplete, the trace stopped: {p['stopped']}", err=True, fg="yellow")
     failed = [p for p in plans if "error" in p or not p["fits"]]
     for p in failed:
         typer.secho(f"{p['paper']}: " + (p.get("error") or "; ".join(p["problems"])), err=True, fg="red")

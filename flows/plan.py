@@ -129,14 +129,16 @@ def _hours(h: float) -> str:
 
 def table(plans: list[dict[str, Any]]) -> str:
     """Markdown: one row per paper (GPUs, GPU-hours, peak memory per rank, host memory for the data, fits), and
-    how far the trace got: `all` when train() returned, else the phases traced before it stopped and why."""
+    how far the trace got: the phases traced, and where it stopped and why when train() did not return (then
+    "fits" says "so far": the GPU-hours and peak cover the traced phases only)."""
     rows = ["| paper | GPUs | GPU-hours | peak GiB/rank | data GiB/node | ZeRO | phases traced | fits |",
             "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for p in plans:
         if "error" in p:
             rows.append(f"| {p['paper']} | | | | | | not planned: {p['error'][:80]} | ? |")
             continue
-        verdict = "yes" if p["fits"] else "NO: " + "; ".join(p["problems"])[:120]
+        # "so far": the phases traced before the trace stopped fit; the rest of train() is not planned
+        verdict = ("yes" if p["complete"] else "so far") if p["fits"] else "NO: " + "; ".join(p["problems"])[:120]
         traced = ", ".join(ph["name"] for ph in p["phases"]) or "none"
         if p["stopped"]:
             traced += f" (then: {p['stopped'][:60]})"
@@ -162,8 +164,9 @@ def phase_table(p: dict[str, Any]) -> str:
                  f"{_hours(p['gpu_hours'])} GPU-hours ({p['ranks']} GPUs: {p['gpu_hours'] / p['ranks']:.2f} h wall)")
     lines.append(f"host memory for the data: {_gib(p['data_bytes'])} GiB ({p['data_note']})")
     if p["stopped"]:
-        lines.append(f"trace ended early: {p['stopped']}")
-    lines += [f"DOES NOT FIT: {problem}" for problem in p["problems"]] or ["fits"]
+        lines.append(f"trace ended early: {p['stopped']} (the phases after it are not planned)")
+    lines += [f"DOES NOT FIT: {problem}" for problem in p["problems"]] or [
+        "fits" if p["complete"] else "the traced phases fit; the plan is incomplete"]
     return "\n".join(lines)
 
 

@@ -15,8 +15,10 @@ profile's parameters except the data *amount and source* (counts such as `n_*`, 
 `_DATA_KEY` matches), which come from the paper's `test` profile; a batch drawn from it has the profile's row
 shape and batch size (indices past its rows are fine: the batch is fake). The host memory of the data is that
 copy's in-memory size, each table scaled by the overridden count it grows with (full / test), times the ranks on
-a node (each reads the tables). Where the profile's row shapes cannot be prepared without the real files, the
-`test` profile's data is used and the plan says so.
+a node (each reads the tables). Where the full profile reads a real dataset, a small
+fixture in that dataset's format (`tasks/fixtures.py`: CIFAR-10 pickles, HotpotQA JSON, D4RL HDF5 ...) stands in
+for the files, so the rows have the real shapes; where there is no such fixture and the profile's row shapes
+cannot be prepared without the real files, the `test` profile's data is used and the plan says so.
 
 Model states per rank follow DeepSpeed's accounting (mixed precision: 2-byte weights and gradients, 4-byte master
 weights, 8 bytes of Adam moments; `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs`
@@ -139,21 +141,28 @@ class Plan:
 
     @property
     def fits(self) -> bool:
+        """No traced phase is too large: a plan that stopped early (`complete` false) vouches only for those."""
         return not self.problems()
+
+    @property
+    def complete(self) -> bool:
+        """train() ran to its end under the trace: every phase is in the plan."""
+        return not self.stopped
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         for ph, raw in zip(self.phases, d["phases"], strict=True):
             raw["flops_total"] = ph.flops_total
         d.update(peak_rank_bytes=self.peak_rank_bytes, flops_total=self.flops_total, gpu_hours=self.gpu_hours,
-                 nodes=self.nodes, fits=self.fits, problems=self.problems())
+                 nodes=self.nodes, fits=self.fits, complete=self.complete, problems=self.problems())
         return d
 
     def metrics(self) -> dict[str, float]:
         """The `plan/*` numbers a full run logs, to be held against what the run measured."""
         out = {"plan/ranks": float(self.ranks), "plan/gpu_hours": self.gpu_hours, "plan/flops_total": self.flops_total,
                "plan/peak_rank_gib": self.peak_rank_bytes / GIB, "plan/data_gib": self.data_bytes / GIB,
-               "plan/mfu": self.mfu, "plan/fits": float(self.fits), "plan/phases": float(len(self.phases))}
+               "plan/mfu": self.mfu, "plan/fits": float(self.fits), "plan/complete": float(self.complete),
+               "plan/phases": float(len(self.phases))}
         for ph in self.phases:
             key = re.sub(r"[^\w\-.]", "_", ph.name)
             out |= {f"plan/{key}/params": float(ph.params), f"plan/{key}/flops_step": ph.flops_step,
@@ -530,14 +539,19 @@ def _table_bytes(folder: Path, counts: list[tuple[int, int]]) -> int:
 def planning_data(paper, raw: Mapping[str, Any], test_raw: Mapping[str, Any], cache: Path) -> tuple[Path, int, str]:
     """(folder of planning data, host bytes the profile's data needs, note)."""
     from models.registry import validate
+    from tasks.fixtures import real_format
 
     small = data_overrides(raw, test_raw)
+    fixture = real_format(paper.id, raw, cache / f"fixture-{paper.id}")
+    small.update(fixture or {})
     try:
         params = validate(paper, small, where=f"plan data of {paper.id}")
         folder = _prepare_cached(paper, params, cache)
         note = "profile's row shapes, test profile's data amount"
         swapped = sorted(k for k in raw if _SOURCE_KEY.fullmatch(k) and small.get(k) != raw[k])
-        if swapped:  # a real dataset's rows are its own: the stand-in's may be smaller (sei: 8x8, not 224x224)
+        if fixture:  # the real data's format and row shapes, random values (tasks/fixtures.py)
+            note = f"a fixture in the real data's format ({', '.join(sorted(fixture))}), test profile's data amount"
+        elif swapped:  # a real dataset's rows are its own: the stand-in's may be smaller (sei: 8x8, not 224x224)
             note = f"the test profile's stand-in for the real data ({', '.join(swapped)}): activations a lower bound"
         counts = _counts(raw, small)
     except Exception as e:  # noqa: BLE001 - a prepare that needs the real files: the test profile's data
@@ -580,6 +594,8 @@ def plan(paper_id: str, raw: Mapping[str, Any], test_raw: Mapping[str, Any], *, 
             paper.train(ctx)
     except PlanStop as e:
         result.stopped = str(e)
+        if os.environ.get("PAPERLINE_PLAN_DEBUG"):  # where the budget ran out
+            traceback.print_exc()
     except Exception as e:  # noqa: BLE001 - the first thing fakes cannot do ends the plan; traced phases stand
         result.stopped = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         if os.environ.get("PAPERLINE_PLAN_DEBUG"):

@@ -4,11 +4,9 @@ prepare stage depends on them. Reads params.yaml only: no paper runs here."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -17,6 +15,7 @@ from flows import data_inputs
 from models import registry
 from models.contract import InputSpec
 from models.inputs import PARTLY_SYNTHETIC, SYNTHETIC, how_to_get, input_path, require_present, statuses
+from tasks.fixtures import REAL_FORMAT, real_format
 
 PROJECT = Path(__file__).resolve().parents[1]
 PAPERS = yaml.safe_load((PROJECT / "params.yaml").read_text())["papers"]
@@ -156,79 +155,14 @@ def test_committed_report_matches_params():
         [without_present(r) for r in fresh.splitlines()]
 
 
-def _cifar(folder: Path) -> Path:
-    import pickle
-
-    folder.mkdir()
-    rng = np.random.default_rng(0)
-    for name in ("data_batch_1", "data_batch_2", "test_batch"):
-        with open(folder / name, "wb") as fh:
-            pickle.dump({b"data": rng.integers(0, 256, (40, 3072), dtype=np.uint8),
-                         b"labels": list(rng.integers(0, 10, 40))}, fh)
-    return folder
-
-
-def _hotpot(folder: Path) -> Path:
-    rows = [{"_id": str(i), "question": f"Who wrote book {i}?", "answer": f"writer {i % 3}",
-             "supporting_facts": [[f"book {i}", 0], [f"writer {i % 3}", 0]],
-             "context": [[f"book {i}", [f"Book {i} is a novel.", f"It was written by writer {i % 3}."]],
-                         [f"writer {i % 3}", ["A writer."]], ["other", ["Unrelated."]]]} for i in range(12)]
-    (folder / "hotpot.json").write_text(json.dumps(rows))
-    return folder / "hotpot.json"
-
-
-def _norman(folder: Path) -> Path:
-    """AnnData's .h5ad layout (dense X of counts, categorical obs.condition), written with h5py."""
-    import h5py
-
-    conds = ["ctrl", "A+ctrl", "B+ctrl", "C+ctrl", "A+B", "B+C", "A+C"]
-    with h5py.File(folder / "norman.h5ad", "w") as f:
-        f["X"] = np.random.default_rng(0).poisson(2, (70, 12)).astype(np.float32)
-        col = f.create_group("obs").create_group("condition")
-        col["codes"], col["categories"] = np.arange(70) % 7, np.array(conds, dtype=h5py.string_dtype())
-    return folder / "norman.h5ad"
-
-
-def _tsp(folder: Path) -> Path:
-    xy = np.random.default_rng(0).uniform(0, 100, (15, 2))
-    (folder / "t15.tsp").write_text("NAME : t15\nTYPE : TSP\nDIMENSION : 15\nEDGE_WEIGHT_TYPE : EUC_2D\n"
-                                    "NODE_COORD_SECTION\n" + "".join(f"{i + 1} {x:.1f} {y:.1f}\n"
-                                                                     for i, (x, y) in enumerate(xy)) + "EOF\n")
-    return folder / "t15.tsp"
-
-
-def _d4rl(folder: Path) -> dict:
-    import h5py
-
-    rng, n = np.random.default_rng(0), 200
-    with h5py.File(folder / "hopper.hdf5", "w") as f:
-        f["observations"], f["actions"] = rng.standard_normal((n, 11)), rng.uniform(-1, 1, (n, 3))
-        f["rewards"], f["terminals"] = rng.random(n), np.zeros(n, bool)
-        f["timeouts"] = np.arange(n) % 100 == 99
-    return {"Hopper-v5": str(folder / "hopper.hdf5")}
-
-
-# paper -> (the full profile's data keys, the key a fixture replaces, the fixture writer)
-REAL_DATA = {
-    "async_rag": (("dataset",), "dataset_path", _hotpot),
-    "spectral_schedule": (("dataset",), "dataset_dir", lambda d: _cifar(d / "cifar")),
-    "perturbed_vae": (("dataset",), "dataset_dir", _norman),
-    "qubo_relax": ((), "tsp_file", _tsp),
-    "doit": ((), "d4rl", _d4rl),
-    "quantile_mia": (("dataset",), "dataset_dir", lambda d: _cifar(d / "cifar")),
-    "guda": (("dataset",), "dataset_dir", lambda d: _cifar(d / "cifar")),
-}
-
-
-@pytest.mark.parametrize("paper_id", sorted(REAL_DATA))
+@pytest.mark.parametrize("paper_id", sorted(REAL_FORMAT))
 def test_full_profile_data_settings_prepare_a_fixture_in_the_real_format(paper_id, tmp_path):
-    """The full profile's own data settings (test-profile sizes), on a fixture in the format its inputs name."""
-    keys, path_key, write = REAL_DATA[paper_id]
+    """The full profile's own data settings (test-profile sizes), on a fixture in the format its inputs name
+    (tasks/fixtures.py: the same fixtures the planner prepares a full profile on)."""
+    _, path_key, _ = REAL_FORMAT[paper_id]
     full = PAPERS[paper_id]["full"]
     assert full.get("inputs") and full.get(path_key)
-    fixture = write(tmp_path)
-    raw = {**PAPERS[paper_id]["test"], **{k: full[k] for k in keys},
-           path_key: fixture if isinstance(fixture, dict) else str(fixture)}
+    raw = {**PAPERS[paper_id]["test"], **real_format(paper_id, full, tmp_path / "fixture")}
     paper = registry.get(paper_id)
     (tmp_path / "out").mkdir()
     paper.prepare(registry.validate(paper, raw, where=f"{paper_id}.test+full data"), tmp_path / "out")

@@ -1,0 +1,108 @@
+"""Small files in the real formats the full profiles read (CIFAR-10 pickles, HotpotQA JSON, AnnData .h5ad, TSPLIB,
+D4RL HDF5), written from a seeded generator.
+
+Two users: the planner (`tasks/planning.py`) prepares a full profile on one of these when the real data is absent,
+so the trace sees the real row shapes (32x32x3 CIFAR images, not the test profile's 8x8 stand-in); and the loader
+tests (`tests/test_inputs.py`), which check each loader on the format its input declares. The values are random:
+only the format and the shapes are real.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# D4RL locomotion: (observation, action) sizes of the gymnasium env each file stands for
+_D4RL_DIMS = {"Hopper": (11, 3), "HalfCheetah": (17, 6), "Walker2d": (17, 6), "Ant": (27, 8)}
+
+
+def cifar(folder: Path, rows: int = 40) -> Path:
+    """`cifar-10-batches-py`: pickled dicts of uint8 rows (3 x 32 x 32, channel-major) and integer labels."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for name in ("data_batch_1", "data_batch_2", "test_batch"):
+        with open(folder / name, "wb") as fh:
+            pickle.dump({b"data": rng.integers(0, 256, (rows, 3072), dtype=np.uint8),
+                         b"labels": list(rng.integers(0, 10, rows))}, fh)
+    return folder
+
+
+def hotpot(folder: Path) -> Path:
+    """HotpotQA's distractor JSON: question, answer, supporting facts, titled context paragraphs."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"_id": str(i), "question": f"Who wrote book {i}?", "answer": f"writer {i % 3}",
+             "supporting_facts": [[f"book {i}", 0], [f"writer {i % 3}", 0]],
+             "context": [[f"book {i}", [f"Book {i} is a novel.", f"It was written by writer {i % 3}."]],
+                         [f"writer {i % 3}", ["A writer."]], ["other", ["Unrelated."]]]} for i in range(12)]
+    (folder / "hotpot.json").write_text(json.dumps(rows))
+    return folder / "hotpot.json"
+
+
+def norman(folder: Path) -> Path:
+    """AnnData's .h5ad layout (dense X of counts, categorical obs.condition), written with h5py."""
+    import h5py
+
+    folder.mkdir(parents=True, exist_ok=True)
+    conds = ["ctrl", "A+ctrl", "B+ctrl", "C+ctrl", "A+B", "B+C", "A+C"]
+    with h5py.File(folder / "norman.h5ad", "w") as f:
+        f["X"] = np.random.default_rng(0).poisson(2, (70, 12)).astype(np.float32)
+        col = f.create_group("obs").create_group("condition")
+        col["codes"], col["categories"] = np.arange(70) % 7, np.array(conds, dtype=h5py.string_dtype())
+    return folder / "norman.h5ad"
+
+
+def tsp(folder: Path) -> Path:
+    """A TSPLIB EUC_2D instance of 15 cities."""
+    folder.mkdir(parents=True, exist_ok=True)
+    xy = np.random.default_rng(0).uniform(0, 100, (15, 2))
+    (folder / "t15.tsp").write_text("NAME : t15\nTYPE : TSP\nDIMENSION : 15\nEDGE_WEIGHT_TYPE : EUC_2D\n"
+                                    "NODE_COORD_SECTION\n" + "".join(f"{i + 1} {x:.1f} {y:.1f}\n"
+                                                                     for i, (x, y) in enumerate(xy)) + "EOF\n")
+    return folder / "t15.tsp"
+
+
+def d4rl(folder: Path, envs: tuple[str, ...] = ("Hopper-v5",), rows: int = 200) -> dict[str, str]:
+    """One D4RL-layout HDF5 file per env id (observations, actions, rewards, terminals, timeouts)."""
+    import h5py
+
+    folder.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for k, env in enumerate(envs):
+        obs, act = _D4RL_DIMS.get(env.split("-")[0], (11, 3))
+        rng = np.random.default_rng(k)
+        path = folder / f"{env.split('-')[0].lower()}.hdf5"
+        with h5py.File(path, "w") as f:
+            f["observations"], f["actions"] = rng.standard_normal((rows, obs)), rng.uniform(-1, 1, (rows, act))
+            f["rewards"], f["terminals"] = rng.random(rows), np.zeros(rows, bool)
+            f["timeouts"] = np.arange(rows) % 100 == 99
+        out[env] = str(path)
+    return out
+
+
+Writer = Callable[[Path, Mapping[str, Any]], Any]  # (folder, the profile's params) -> the path key's new value
+
+# paper -> (the full profile's data keys kept, the path key a fixture replaces, the fixture writer)
+REAL_FORMAT: dict[str, tuple[tuple[str, ...], str, Writer]] = {
+    "async_rag": (("dataset",), "dataset_path", lambda d, raw: str(hotpot(d))),
+    "spectral_schedule": (("dataset",), "dataset_dir", lambda d, raw: str(cifar(d / "cifar"))),
+    "perturbed_vae": (("dataset",), "dataset_dir", lambda d, raw: str(norman(d))),
+    "qubo_relax": ((), "tsp_file", lambda d, raw: str(tsp(d))),
+    "doit": ((), "d4rl", lambda d, raw: d4rl(d, tuple(raw.get("d4rl") or ("Hopper-v5",)))),
+    "quantile_mia": (("dataset",), "dataset_dir", lambda d, raw: str(cifar(d / "cifar"))),
+    "guda": (("dataset",), "dataset_dir", lambda d, raw: str(cifar(d / "cifar"))),
+    "protovar": (("dataset",), "dataset_dir", lambda d, raw: str(cifar(d / "cifar"))),
+    "fedgr": (("dataset",), "dataset_dir", lambda d, raw: str(cifar(d / "cifar"))),
+}
+
+
+def real_format(paper_id: str, raw: Mapping[str, Any], folder: Path) -> dict[str, Any] | None:
+    """The profile's data keys with its path key pointing at a fixture written into `folder` (None: no writer)."""
+    if paper_id not in REAL_FORMAT:
+        return None
+    keys, path_key, write = REAL_FORMAT[paper_id]
+    return {**{k: raw[k] for k in keys if k in raw}, path_key: write(folder, raw)}
