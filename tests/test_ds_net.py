@@ -171,3 +171,9 @@ def test_vg150_prepare_sizes_the_heads_from_the_data(tmp_path):
     logits, ls, _, _ = model.nets["ds_fb_s0"]({k: torch.from_numpy(rows[k]) for k in m.FEATS})
     assert logits.shape == (len(rows["label"]), 6) and ls.shape[1] == 4  # 3 classes + background
     assert set(rows["s_cls"]) <= {0, 1, 2, 3}  # distractor proposals: class 3
+
+
+def test_premises_compare_the_hosts_with_chance():
+    premises = {c.name: c for c in m.PAPER.claim.premises}
+    assert set(premises) == {"host_above_chance", "host_fb_above_chance"}
+    assert all(c.right == "baseline/chance/mR100" and c.op == ">" for c in premises.values())
