@@ -29,6 +29,9 @@ Deviations from the paper (choices the abstract left open):
 - The latent DDPM samples the continuous latent (normalised by its std), which is then passed through the same
   residual quantiser before decoding (VQ-regularised latent diffusion), so both generators share the decoder's
   input distribution.
+- The latent DDPM trains in lock-step with the VAR and then alone for `ddpm_extra_steps` more steps on fresh batches
+  [LatentDDPM]: a DDPM needs many more updates than a VAR of the same size to generate its classes, and a generator
+  that does not represent its classes cannot test the claim (premise below). The asymmetry favours the baseline.
 - Cost is counted, not timed, in the metrics (the evaluate stage must be deterministic): network evaluations and
   GFLOPs per surrogate image (generation + observer scoring + MMD kernels), counted with torch's FlopCounterMode.
   The wall-clock of generation + selection is measured in train and written to costs.json beside the metrics.
@@ -87,6 +90,8 @@ class Params(PaperParams):
     var_dim: int = Field(64, ge=8)
     var_heads: int = Field(4, ge=1)
     gen_steps: int = Field(300, ge=1, description="Steps of VAR, latent DDPM and observer (lock-step).")
+    ddpm_extra_steps: int = Field(0, ge=0, description="Further steps of the latent DDPM alone after the lock-step "
+                                  "phase: a DDPM needs more updates than the VAR to represent its classes.")
     batch_size: int = Field(64, ge=2)
     lr: float = Field(2e-3, gt=0)
     unet_channels: tuple[int, ...] = Field((16, 32), description="Latent DDPM U-Net channels (about VAR's size).")
@@ -295,6 +300,20 @@ class Generators(nn.Module):
         return {"var": var, "ddpm": ddpm, "observer": observer}
 
 
+class LatentDDPM(nn.Module):
+    """The latent DDPM's loss alone, on the Generators' U-Net (shared, not copied), for its extra training phase."""
+
+    def __init__(self, gens: Generators):
+        super().__init__()
+        self.unet, self.n_classes, self.total = gens.unet, gens.n_classes, gens.total
+        self.register_buffer("alphas_cumprod", gens.alphas_cumprod.clone())
+
+    def forward(self, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        z_t = dm.q_sample(b["latent"], b["t"], b["noise"], self.alphas_cumprod)
+        eps = self.unet(z_t, b["t"].float() / self.total, F.one_hot(b["y"], self.n_classes).float())
+        return {"ddpm": F.mse_loss(eps, b["noise"])}
+
+
 class EvalEnsemble(nn.Module):
     """One ConvNet-3 per (arm, IPC, evaluation seed), each trained on its own surrogate set."""
 
@@ -466,6 +485,10 @@ def train(ctx) -> None:
 
     ctx.progress("VAR, latent DDPM and observer in lock-step")
     ctx.fit("generators", ctx.engine(gens, p.lr), gen_step, gen_batch, p.gen_steps)
+    if p.ddpm_extra_steps:  # the DDPM alone, on fresh batches (the same data, noise and time draws as above)
+        ctx.progress(f"latent DDPM alone, {p.ddpm_extra_steps} further steps")
+        ctx.fit("ddpm", ctx.engine(LatentDDPM(gens), p.lr), gen_step, lambda step: gen_batch(p.gen_steps + step),
+                p.ddpm_extra_steps)
     gens.eval()
     sets, costs, pools = distil(p, d, tok, gens, protos, latent_std)  # identical on every rank
     ctx.progress(f"distilled {len(sets)} surrogate sets; generation {costs['seconds_per_image']}")

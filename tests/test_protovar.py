@@ -172,3 +172,28 @@ def test_generator_mmd_bound_separates_a_class_faithful_pool_from_a_wrong_class_
     assert m["detail/mmd/pool_good"] < m["detail/mmd/bound"] < m["detail/mmd/pool_bad"]
     names = {c.left for c in pv.PAPER.claim.premises}
     assert names == {f"detail/mmd/pool_{g}" for g in pv.GENERATORS}
+
+
+def test_latent_ddpm_phase_is_the_generators_ddpm_loss_and_trains_only_the_unet():
+    p = _params()
+    torch.manual_seed(0)
+    gens = pv.Generators(p, 1, 2)
+    ddpm = pv.LatentDDPM(gens)
+    assert ddpm.unet is gens.unet  # shared, not copied: its training is the sampler's
+    g = torch.Generator().manual_seed(0)
+    side, n = p.scales[-1], 4
+    b = {"latent": torch.randn(n, p.latent_dim, side, side, generator=g), "y": torch.tensor([0, 1, 0, 1]),
+         "t": torch.randint(0, p.ddpm_steps, (n,), generator=g),
+         "noise": torch.randn(n, p.latent_dim, side, side, generator=g)}
+    z_t = pv.dm.q_sample(b["latent"], b["t"], b["noise"], gens.alphas_cumprod)
+    want = torch.nn.functional.mse_loss(gens.unet(z_t, b["t"].float() / gens.total,
+                                                  torch.nn.functional.one_hot(b["y"], 2).float()), b["noise"])
+    loss = ddpm(b)["ddpm"]
+    assert torch.allclose(loss, want)
+    var_before = [q.clone() for q in gens.var.parameters()]
+    unet_before = [q.clone() for q in gens.unet.parameters()]
+    opt = torch.optim.AdamW(ddpm.parameters(), lr=1e-2)
+    loss.backward()
+    opt.step()
+    assert all(torch.equal(a, q) for a, q in zip(var_before, gens.var.parameters(), strict=True))
+    assert any(not torch.equal(a, q) for a, q in zip(unet_before, gens.unet.parameters(), strict=True))
