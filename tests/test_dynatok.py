@@ -85,6 +85,19 @@ def test_chamfer_fscore_occluded_and_drift_known_values():
     assert dt.drift(torch.stack([gt[0], gt[1].flip(0)]), gt, u) > 0.5
 
 
+def test_normalised_drift_does_not_reward_a_collapsed_static_output():
+    g = torch.Generator().manual_seed(0)
+    base = torch.rand(64, 3, generator=g)
+    gt = torch.stack([base + 0.03 * t for t in range(4)])  # (T, Q, 3): the object translates
+    u = base.expand(4, -1, -1)  # canonical coordinate = the frame-0 position
+    blob = (base.mean(0) + 0.001 * torch.randn(64, 3, generator=g)).expand(4, -1, -1)  # static, collapsed
+    shuffled = torch.stack([gt[t, torch.randperm(64, generator=g)] for t in range(4)])  # random identities
+    # raw drift rewards the collapse (its points all read about the same u), the normalised one does not
+    assert dt.drift(blob, gt, u, normalise=False) < dt.drift(shuffled, gt, u, normalise=False)
+    assert dt.drift(blob, gt, u) > dt.drift(shuffled, gt, u) > 0.5
+    assert dt.drift(gt, gt, u) < 1e-6  # a perfect tracker still scores 0
+
+
 def test_renderer_keeps_the_side_facing_the_camera():
     rng = np.random.default_rng(0)
     d = rng.standard_normal((4000, 3))
