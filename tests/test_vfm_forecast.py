@@ -109,3 +109,9 @@ def test_prepare_labels_match_the_rendered_digits(tmp_path):
         assert present <= digits and present  # every labelled pixel belongs to one of the video's sprites
         on = d["labels"][v] != vf.BACKGROUND
         assert d["pixels"][v][on].mean() > d["pixels"][v][~on].mean()  # sprites are brighter than the texture
+
+
+def test_seg_target_foreground_marks_sprites_and_keeps_digits_on_request():
+    labels = torch.tensor([[vf.BACKGROUND, 3], [0, vf.BACKGROUND]])
+    assert torch.equal(vf.seg_target(labels, "foreground"), torch.tensor([[0, 1], [1, 0]]))
+    assert torch.equal(vf.seg_target(labels, "digits"), labels)
