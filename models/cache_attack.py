@@ -14,7 +14,7 @@ What it implements (function names in brackets):
   mutations substitute / insert / delete, tournament selection, elitism; every scored candidate is one counted
   surrogate query [genetic_search];
 - baselines: naive (payload + the first guessed phrasing verbatim), random search with the same query budget
-  [random_search], and (full only) the same genetic search scored on E1 directly (white-box upper bound);
+  and the same seeds [random_search], and the same genetic search scored on E1 directly (white-box upper bound);
 - agent: a tool-plan cache keyed by task descriptions (victim queries inside agent task wrappers); a hijack serves a
   marked tool call; the banking (finance) intents are reported separately [agent_rates];
 - mitigations over the tau sweep: plain, lexical verification (content-word Jaccard >= 0.3 with the served key),
@@ -23,8 +23,13 @@ What it implements (function names in brackets):
 Deviations from the paper (choices the abstract left open):
 - "Attacker first": for each attacked intent the cache holds the warm entries of every OTHER intent, and the attack
   query is submitted before any victim; if it already hits an entry it is not inserted (the attack fails).
-- The genetic search starts from the guessed phrasings (half the population) plus random suffixes; random search
-  draws only random suffixes from the same word pool.
+- Both searches start from the same seeds: the guessed phrasings (half the population) plus random suffixes
+  [initial_population]; random search then draws random suffixes from the same word pool up to the same budget.
+- The official method's first stage, estimating the cache's threshold tau through response latency (hits return
+  faster), is not implemented: the search maximises the surrogate cosine without a stopping threshold, and every
+  cache is scored at the operator's calibrated tau. The claim text says so.
+- The white-box reference (the genetic search scored on E1) runs in smoke too: its hit rate is the premise that
+  some attack query can reach the victim cache's tau at all.
 - The claim's "positive Spearman" is `method/tau_spearman > 0`; a constant curve (undefined Spearman) counts as 0.
 - tau is set per embedder (their similarity scales differ); the values sit in params.yaml. The test profile uses a
   hashed bag-of-words stand-in for MiniLM (`victim_encoder: hashed`) so CI loads no model.
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import csv
 import os
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Literal
@@ -98,7 +104,7 @@ class Params(PaperParams):
     generations: int = Field(20, ge=1, description="Genetic search generations (budget = population x generations).")
     max_words: int = Field(16, ge=1, description="Longest suffix s, in words.")
     surrogates: list[Literal["e3", "e4"]] = Field(["e3"], min_length=1, description="Surrogates (first: metrics).")
-    whitebox: bool = Field(False, description="Also run the search scored on E1 (upper bound; costly on CPU).")
+    whitebox: bool = Field(True, description="Also run the search scored on E1 (upper bound; the premise).")
     victim_encoder: Literal["minilm", "local", "hashed"] = Field("minilm", description="E1/E2: MiniLM, a local "
                                                                 "sentence-transformers model (`victim_path`), or "
                                                                 "hashed BoW (tests).")
@@ -286,9 +292,7 @@ def genetic_search(score, payload: str, guesses: list[str], pool: list[str], p: 
                    log: list | None = None) -> tuple[str, int]:
     """Maximise score(P + s) over suffixes s; returns the best query and the number of scored candidates."""
     text = lambda s: " ".join([payload, *s])  # noqa: E731
-    rand = lambda: list(rng.choice(pool, size=rng.integers(1, p.max_words + 1)))  # noqa: E731
-    pop = [g.split()[: p.max_words] for g in guesses][: p.population // 2]
-    pop += [rand() for _ in range(p.population - len(pop))]
+    pop = initial_population(guesses, pool, p, rng)
     fit = score([text(s) for s in pop])
     queries = len(pop)
     for _ in range(p.generations - 1):
@@ -311,8 +315,22 @@ def genetic_search(score, payload: str, guesses: list[str], pool: list[str], p: 
     return text(pop[int(np.argmax(fit))]), queries
 
 
-def random_search(score, payload: str, pool: list[str], budget: int, p: Params, rng: np.random.Generator) -> str:
-    cands = [" ".join([payload, *rng.choice(pool, size=rng.integers(1, p.max_words + 1))]) for _ in range(budget)]
+def initial_population(guesses: list[str], pool: list[str], p: Params, rng: np.random.Generator) -> list[list[str]]:
+    """The seeds both searches start from: the guessed phrasings (up to half the population), then random
+    suffixes from the pool."""
+    pop = [g.split()[: p.max_words] for g in guesses][: p.population // 2]
+    return pop + [random_suffix(pool, p, rng) for _ in range(p.population - len(pop))]
+
+
+def random_suffix(pool: list[str], p: Params, rng: np.random.Generator) -> list[str]:
+    return list(rng.choice(pool, size=rng.integers(1, p.max_words + 1)))
+
+
+def random_search(score, payload: str, guesses: list[str], pool: list[str], budget: int, p: Params,
+                  rng: np.random.Generator) -> str:
+    """The same seeds as the genetic search (`initial_population`), then random suffixes up to the same budget."""
+    seeds = initial_population(guesses, pool, p, rng)[:budget]
+    cands = [" ".join([payload, *s]) for s in seeds + [random_suffix(pool, p, rng) for _ in range(budget - len(seeds))]]
     return cands[int(np.argmax(score(cands)))]
 
 
@@ -407,7 +425,7 @@ def evaluate(ctx) -> dict[str, float]:
             score = _surrogate_score(emb_fns[sur], guesses)
             log: list[float] = []
             per["cacheattack"][t], budget[sur] = genetic_search(score, payload, guesses, pool, p, rng, log)
-            per["random"][t] = random_search(score, payload, pool, budget[sur], p, rng)
+            per["random"][t] = random_search(score, payload, guesses, pool, budget[sur], p, rng)
             per["naive"][t] = f"{payload} {guesses[0]}"
             curves.setdefault(sur, []).append(log)
         ctx.progress(f"surrogate {sur}: {len(attacked)} intents attacked, {budget[sur]} surrogate queries each")
@@ -510,6 +528,16 @@ def _plots(out: Path, m: dict, trade: dict, curves: dict) -> None:
     plt.close(fig)
 
 
+@dataclass(frozen=True)
+class NotedClaim(Claim):
+    """A claim whose text (the claim line, the scoreboard's claim column) carries a note on what is left out."""
+
+    note: str = ""
+
+    def text(self) -> str:
+        return f"{super().text()} [{self.note}]" if self.note else super().text()
+
+
 PAPER = Paper(
     id="cache_attack",
     title="CacheAttack: key-collision attacks on semantic caches",
@@ -519,11 +547,17 @@ PAPER = Paper(
     train=train,
     evaluate=evaluate,
     primary=("method/hit_e1", "max"),
-    claim=Claim(all_of=(
+    claim=NotedClaim(premises=(  # some attack query reaches the victim cache's tau at all (white-box, scored on E1)
+        Compare("baseline/whitebox/hit_e1", ">", 0.0, name="whitebox_reaches_tau"),
+    ), all_of=(
         Compare("method/hit_e1", ">", ("baseline/naive/hit_e1", "baseline/random/hit_e1")),
         Compare("method/transfer_1", ">", "baseline/naive/transfer_1"),
         Compare("method/transfer_2", ">", "baseline/naive/transfer_2"),
         Compare("method/tau_spearman", ">", 0.0),
     ), summary="black-box CacheAttack beats naive and random on the victim, transfers above naive to the two "
-               "non-surrogate embedders, and benign hit rate and hijack rate rise together over tau"),
+               "non-surrogate embedders, and benign hit rate and hijack rate rise together over tau (the official "
+               "method's first stage, estimating tau through response latency, is not implemented: caches are "
+               "scored at the operator's tau)",
+        note="no latency-based tau estimation (the official method's first stage): caches scored at the "
+             "operator's tau"),
 )

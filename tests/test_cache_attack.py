@@ -63,8 +63,29 @@ def test_genetic_search_keeps_payload_counts_queries_and_never_regresses():
     assert queries == p.population * p.generations
     assert all(b >= a for a, b in zip(log, log[1:], strict=False))  # elitism: the best never gets worse
     assert score([best])[0] > score(["PAY LOAD alpha beta"])[0]  # it improved on its seed
-    rand = ca.random_search(score, "PAY LOAD", pool, queries, p, np.random.default_rng(0))
+    rand = ca.random_search(score, "PAY LOAD", ["alpha beta"], pool, queries, p, np.random.default_rng(0))
     assert rand.startswith("PAY LOAD ")
+
+
+def test_random_and_genetic_search_start_from_the_same_seeds():
+    """Random search scores the genetic search's initial population first (same rng state -> same seeds), so with
+    a budget of one population it can never do worse than the genetic search's first generation."""
+    p = _params(population=6, generations=1)
+    pool = ["alpha", "beta", "gamma", "delta", "bank"]
+    guesses = ["how do i check my bank", "bank balance check"]
+    seen: list[list[str]] = []
+
+    def score(texts):
+        seen.append(list(texts))
+        return np.array([t.split().count("bank") - 0.1 * len(t.split()) for t in texts])
+
+    ca.genetic_search(score, "PAY", guesses, pool, p, np.random.default_rng(3))
+    ca.random_search(score, "PAY", guesses, pool, p.population, p, np.random.default_rng(3))
+    assert seen[0] == seen[1]  # identical candidate lists at the same budget and seed
+    assert seen[0][0] == "PAY how do i check"  # the first guess (truncated to max_words) is a seed of both
+    init = ca.initial_population(guesses, pool, p, np.random.default_rng(3))
+    assert [" ".join(g) for g in init[:2]] == ["how do i check", "bank balance check"]
+    assert len(init) == p.population and all(1 <= len(s) <= p.max_words for s in init)
 
 
 def test_prepare_roles_and_no_victim_text_in_public_data(tmp_path):
