@@ -77,7 +77,25 @@ def test_langevin_negatives_descend_the_energy():
     with torch.no_grad():
         assert net.energy(zg[0], net.text(neg)).mean() < net.energy(zg[0], net.text(t)).mean()
     assert not neg.requires_grad
-    assert eralign.cost_per_step("eralign", p) < eralign.cost_per_step("cd", eralign.Params(langevin_steps=20))
+
+
+def test_step_flops_count_the_executed_passes():
+    """Counted work: ED's alignment cost repeats per layer (2 layers = 2 x final-only's) and grows with M; CD's
+    grows with the Langevin steps."""
+    torch.manual_seed(0)
+    n = 30
+    g = {"x": torch.randn(n, 384), "ei": torch.randint(0, n, (2, 90)), "y": torch.randint(0, 3, (n,))}
+    lab, nodes = torch.arange(10), torch.arange(n)
+
+    def flops(kind, **kw):
+        p = _p(**kw)
+        return eralign.step_flops(_net(p, kind), g, lab, nodes)
+
+    base = flops("gcn")
+    ed, final = flops("eralign") - base, flops("final_only") - base
+    assert ed > 0 and math.isclose(ed, 2 * final, rel_tol=1e-9)
+    assert flops("eralign", negatives=8) - base > ed
+    assert flops("cd", langevin_steps=6) - base > flops("cd", langevin_steps=3) - base > 0
 
 
 def test_cka_known_values():
