@@ -15,11 +15,11 @@ What it implements (function names in brackets):
   level's resolution; L_REPA = c_proj sum_l w(t) ||R_l(H_l(h_l))||^2 with g restricted to the coarse boundary
   [Head, coarse_boundary]. Heads are dropped at inference: sampling calls the bare U-Net;
 - arms trained in lock-step in one DeepSpeed engine: vanilla, PIDM (output residual), intermediate-only, full
-  REPA-P; in full also single-head positions (encoder, bottleneck, decoder, output) and 1/2/all decoder levels;
+  REPA-P (smoke trains only the claim's three, vanilla's compute going to longer training); in full also
+  single-head positions (encoder, bottleneck, decoder, output) and 1/2/all decoder levels;
 - evaluation: 20-step DDIM samples for ID and OOD boundaries; residual, relative L2 error of p against a solve with
-  the generated K, the convergence speedup from the logged validation residuals, the inference overhead
-  (parameter ratio; median of 5 interleaved sampling timings in CPU time, measured at the end of train)
-  [evaluate, speedup, _overhead].
+  the generated K, the convergence speedup from the logged validation residuals, the inference overhead counted as
+  the sampled network's parameters (no wall clock) [evaluate, speedup, _overhead].
 
 Deviations from the paper (choices the spec left open):
 - The model generates log K (standardised) rather than K, so that K = exp(.) stays positive (clamped to 8 stds
@@ -32,7 +32,8 @@ Deviations from the paper (choices the spec left open):
   t in [1, T/5] with fixed noise, logged every 25 steps.
 - Intermediate heads are supervised by the physics residual only (teacher-free): K and p are both decoded.
 - The claim's constant bound: speedup >= 1. Zero inference cost (param ratio == 1 at sampling) holds by
-  construction and is context; the wall-clock time ratio is logged, not claimed (a loaded CPU decides it).
+  construction and is context; sampling time is not measured (the same network is sampled, and a loaded CPU would
+  decide a wall-clock ratio).
 - Against the authors' code, which predicts x0, weights the physics residual by 1/(2 sigma_t^2) and takes the
   mean over the heads, this module deviates on all three (the spec's choices, kept, not retuned): it predicts
   epsilon (the shared DDPM of models/common/diffusion.py) and forms x0_hat from it; it weights the residuals by
@@ -52,7 +53,6 @@ means p is unrelated to the solve (chance).
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Literal
 
@@ -60,7 +60,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, field_validator
 from scipy.sparse.linalg import spsolve
 from torch import nn
 
@@ -88,7 +88,9 @@ class Params(PaperParams):
     train_b: tuple[float, float] = Field((0.0, 0.1), description="Training boundary amplitude b ~ U[.].")
     ood_a: tuple[float, float] = Field((0.5, 1.0))
     ood_b: tuple[float, float] = Field((0.1, 0.2))
-    arms: list[Literal[tuple(HEAD_SETS)]] = Field(["vanilla", "pidm", "intermediate_only", "repa_p"], min_length=4)
+    arms: list[Literal[tuple(HEAD_SETS)]] = Field(["vanilla", "pidm", "intermediate_only", "repa_p"], min_length=3,
+                                                  description="Arms trained in lock-step; the claim's three "
+                                                  "(pidm, intermediate_only, repa_p) are required.")
     channels: tuple[int, ...] = Field((16, 32, 32), min_length=2, description="U-Net channels per level.")
     head_width: int = Field(64, ge=4, description="Hidden width of the 1x1 projection heads.")
     c_res: float = Field(0.01, ge=0, description="Weight of the output-level residual loss.")
@@ -100,6 +102,14 @@ class Params(PaperParams):
     val_every: int = Field(25, ge=1, description="Steps between validation-residual records.")
     ddim_steps: int = Field(20, ge=1)
     n_samples: int = Field(64, ge=2, description="Generated samples per condition (ID, OOD).")
+
+    @field_validator("arms")
+    @classmethod
+    def _claim_arms(cls, arms: list[str]) -> list[str]:
+        missing = {"pidm", "intermediate_only", "repa_p"} - set(arms)
+        if missing:
+            raise ValueError(f"arms must include the claim's arms, missing {sorted(missing)}")
+        return arms
 
 
 # ---- the PDE: operator, solver, residual ---------------------------------------------------------------------------
@@ -328,12 +338,8 @@ def train(ctx) -> None:
 
     ctx.progress(f"{len(p.arms)} arms in lock-step ({', '.join(p.arms)}), {p.steps} steps of batch {p.batch_size}")
     ctx.fit("arms", ctx.engine(model, p.lr), step_fn, batch_fn, p.steps, state=state)
-    if ctx.rank == 0:  # timings are measured here, once, so that evaluate() stays a pure function of its inputs
-        out = ctx.out_dir / "arms.pt"
-        # a rerun over complete checkpoints keeps the first measurement (the weights are the same)
-        overhead = torch.load(out, weights_only=True)["overhead"] if out.exists() else _overhead(model.eval(), d, p)
-        torch.save({"model": model.state_dict(), "val_residual": state["val_residual"], "overhead": overhead},
-                   out)
+    if ctx.rank == 0:
+        torch.save({"model": model.state_dict(), "val_residual": state["val_residual"]}, ctx.out_dir / "arms.pt")
 
 
 @torch.no_grad()
@@ -394,24 +400,16 @@ def evaluate(ctx) -> dict[str, float]:
     metrics["method/speedup"] = speedup(curves[i_pidm], curves[i_repa], p.val_every)
     for key in ("residual", "ood_residual"):  # against the paper's 66.4 % (ID) and 49.3 % (OOD)
         metrics[f"detail/{key}_reduction_pct"] = 100 * (1 - metrics[f"method/{key}"] / metrics[f"baseline/pidm/{key}"])
-    metrics.update(saved["overhead"])
+    metrics.update(_overhead(model))
     _plots(ctx.plots_dir, curves, gens, p)
     return metrics
 
 
-def _overhead(model: Arms, d: dict, p: Params) -> dict[str, float]:
-    """Inference cost of REPA-P vs PIDM: the sampled network's parameters, and the median of 5 interleaved
-    sampling timings (heads are not part of what is sampled)."""
+def _overhead(model: Arms) -> dict[str, float]:
+    """Inference cost of REPA-P vs PIDM, counted: the parameters of the network that sampling calls (the heads are
+    not part of it). Equal by construction, so the claim shows it as context; no wall clock is measured."""
     count = lambda arm: sum(t.numel() for t in model.nets[arm].parameters())  # noqa: E731
-    sel = torch.nonzero(d["split"]["id_test"]).flatten()[: p.n_samples]
-    times: dict[str, list[float]] = {"repa_p": [], "pidm": []}
-    for _ in range(5):
-        for arm in ("pidm", "repa_p"):
-            t0 = time.process_time()  # CPU time: robust to other processes sharing the cores
-            model.sample(arm, d["cond"][sel], torch.Generator().manual_seed(0))
-            times[arm].append(time.process_time() - t0)
     return {"method/param_ratio": count("repa_p") / count("pidm"),
-            "method/time_ratio": float(np.median(times["repa_p"]) / np.median(times["pidm"])),
             "detail/head_params": float(sum(t.numel() for t in model.heads["repa_p"].parameters()))}
 
 
