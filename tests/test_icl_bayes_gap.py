@@ -107,3 +107,26 @@ def test_uniform_attention_is_a_permutation_invariant_mean_over_the_context():
     assert torch.allclose(out, net(*m.make_tokens(x, y, 5, 9)), atol=1e-5)
     dup_x, dup_y = np.concatenate([x[:, :5], x[:, :5], x[:, 5:]], 1), np.concatenate([y[:, :5], y[:, :5], y[:, 5:]], 1)
     assert torch.allclose(out, net(*m.make_tokens(dup_x, dup_y, 10, 10)), atol=1e-5)
+
+
+def test_plateau_rule_keeps_the_best_check_and_stops_after_patience_checks_without_a_real_improvement():
+    stop = m.Plateau(patience=2, rel_tol=0.01)
+    kept = [stop.update(v) for v in (1.0, 0.8, 0.795, 0.9, 0.7, 0.699, 0.75)]
+    assert kept == [True, True, False, False, True, False, False]  # 0.795 and 0.699 are within 1% of the best
+    assert stop.stopped and stop.best == 0.7 and len(stop.history) == 7
+    fresh = m.Plateau(patience=2, rel_tol=0.01)
+    assert [fresh.update(v) for v in (1.0, 2.0)] == [True, False] and not fresh.stopped
+
+
+def test_validation_mse_reads_each_model_on_prompts_of_its_own_length():
+    p = m.Params(d=3, types=[{"mu": 0.0, "tau": 1.0, "sigma": 0.1, "pi": 1.0}], train_M=[8], train_N=[2, 4],
+                 n_test_max=4, fit_n_max=2, width=8)
+    torch.manual_seed(0)
+    models = m.Models(p)
+    s = {n: m.sample_prompts(m.type_table(p), 16, n, np.random.default_rng(n)) for n in (2, 4)}
+    val = {n: (*m.make_tokens(v["x"], v["y"], n, n), torch.tensor(v["y"][:, -1], dtype=torch.float32))
+           for n, v in s.items()}
+    out = m.validation_mse(models, val)
+    assert set(out) == set(models.names)
+    net = models.nets["uniform_M8_N4"]
+    assert np.isclose(out["uniform_M8_N4"], float(((net(*val[4][:2]) - val[4][2]) ** 2).mean()))
