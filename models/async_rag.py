@@ -16,20 +16,27 @@ What it implements (function names in brackets):
 - the retrieval predictor (when) and the query generator (what, a 384-d MiniLM-space vector, cosine loss) trained
   in one DeepSpeed engine [Heads, train];
 - the context monitor (MiniLM embeddings of the latest sentence and the cached passages: invalidate and retrieve on
-  an information-need shift; skip a prefetch whose query is already covered) and asynchronous execution on a
-  simulated clock: retrievals complete in the background, arrivals are inserted at the next token boundary, and
-  reaching a high-entropy point before the passage arrived stalls decoding [Server.serve];
+  an information-need shift; skip a prefetch whose query is already covered) and asynchronous execution with real
+  threads: retrievals complete in the background, arrivals are inserted at the next token boundary, and
+  reaching a high-entropy point before the passage arrived stalls decoding, on the wall clock [Server.serve];
 - arms: the method, synchronous single-shot RAG, synchronous active RAG (FLARE-style), heuristic asynchronous RAG
   (a background retrieval every 16 tokens), no retrieval; the entropy-trigger precursor baseline scores the same
   traces as the predictor [evaluate].
 
 Deviations from the paper (choices the abstract left open):
-- Latency is a deterministic latency model, not a wall clock (evaluate must be reproducible): a decoded token costs
-  `decode_ms`, a prefilled token `prefill_ms`, a text query embedding `embed_ms`, a predictor/query-generator call
-  `head_ms`, and a retrieval `retrieval_ms` x lognormal(0, `retrieval_jitter`) drawn from a generator seeded by
-  (seed, question), so the n-th retrieval of every arm gets the same draw. The thread pool is this event clock:
-  decoding advances the clock while a retrieval is in flight. The context monitor's MiniLM calls run in the
-  background and cost no clock time.
+- Latency is measured on the wall clock (time.perf_counter), over `repeats` passes of the test set with the arms
+  interleaved per question; the timed parts pool the per-repeat values. Retrievals run in a thread pool while
+  decoding continues. The generator, heads and search are real compute; the costs the spec fixes are sleeps
+  scaled by `time_scale` (smoke scales them down to fit its budget): a decoded token `decode_ms`, a prefilled
+  token `prefill_ms`, a text embedding `embed_ms` on every path that embeds (the context monitor included: it
+  embeds on the decode path, so it is charged), a head call `head_ms`, and a retrieval `retrieval_ms` x
+  lognormal(0, `retrieval_jitter`) drawn from (seed, question, repeat), so the n-th retrieval of every arm gets
+  the same draw. MiniLM's own compute for a text is cached across arms and repeats (its charge is `embed_ms`).
+  Wall-clock numbers depend on the machine and its load.
+- Because arrivals depend on the clock, an asynchronous arm's answer can differ between repeats; quality metrics
+  are means over repeats.
+- The `gold_docs` arm (gold passages in the context before "<a>", no retrieval) is the premise that the generator
+  answers from passages at all.
 - Traces are teacher-forced over the gold docless answer (a "docless generation trace" without sampling noise).
 - The method falls back to a synchronous retrieval with its query generator at a high-entropy point when nothing is
   in flight (so a missed prediction costs FLARE's stall, not quality). FLARE-style active RAG starts, as FLARE does,
@@ -41,6 +48,8 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -58,7 +67,7 @@ from models.contract import Claim, Compare, Paper, PaperParams
 from models.inputs import input_path
 
 SPECIAL = ("<q>", "</q>", "<a>", "</a>", "<doc>", "</doc>")
-ARMS = ("method", "sync_single", "sync_active", "heuristic_async", "no_retrieval")
+ARMS = ("method", "sync_single", "sync_active", "heuristic_async", "no_retrieval", "gold_docs")
 RELATIONS = {  # relation -> (subject type, object type, passage = answer sentence)
     "born_in": ("person", "city", "{s} was born in {o} ."),
     "in_country": ("city", "country", "{s} is in {o} ."),
@@ -106,13 +115,18 @@ class Params(PaperParams):
     top_k: int = Field(2, ge=1, description="Passages of a question-level retrieval (single-shot, FLARE's first).")
     max_answer_tokens: int = Field(16, ge=2)
     heuristic_every: int = Field(16, ge=1, description="Heuristic async: background retrieval period in tokens.")
-    retrieval_ms: float = Field(30.0, ge=0, description="Simulated network latency L_r per retrieval.")
+    retrieval_ms: float = Field(30.0, ge=0, description="Network latency L_r per retrieval (a sleep).")
     retrieval_jitter: float = Field(0.25, ge=0, description="Lognormal sigma of L_r draws.")
-    retrieval_sweep: list[float] = Field([], description="Extra L_r values evaluated (detail metrics only).")
-    decode_ms: float = Field(10.0, ge=0, description="Latency model: ms per decoded token.")
-    prefill_ms: float = Field(0.2, ge=0, description="Latency model: ms per prefilled token (question, passage).")
-    embed_ms: float = Field(4.0, ge=0, description="Latency model: ms per text query embedding on the sync path.")
-    head_ms: float = Field(0.1, ge=0, description="Latency model: ms per predictor / query-generator call.")
+    retrieval_sweep: list[float] = Field([], description="Extra L_r values evaluated (detail metrics only, one "
+                                         "repeat each).")
+    repeats: int = Field(5, ge=5, description="Wall-clock repeats of the whole test set (the timed parts' k samples).")
+    time_scale: float = Field(1.0, gt=0, description="Every simulated cost below is slept for this fraction of its "
+                              "ms (smoke scales them down to fit the budget; real compute is never scaled).")
+    decode_ms: float = Field(10.0, ge=0, description="Generation cost per decoded token (a sleep, ms).")
+    prefill_ms: float = Field(0.2, ge=0, description="Prefill cost per token of question or passage (a sleep, ms).")
+    embed_ms: float = Field(4.0, ge=0, description="Cost per text embedding on every path that embeds: sync "
+                            "queries, heuristic windows, the context monitor (a sleep, ms).")
+    head_ms: float = Field(0.1, ge=0, description="Cost per predictor / query-generator call.")
 
 
 # ---- data ----------------------------------------------------------------------------------------------------
@@ -385,19 +399,30 @@ def train(ctx) -> None:
         torch.save({"lm": lm.state_dict(), "heads": heads.state_dict()}, ctx.out_dir / "async_rag.pt")
 
 
-# ---- serving on a simulated clock: the method and every baseline arm ---------------------------------------------
+# ---- serving on a wall clock: the method and every baseline arm ---------------------------------------------------
 class Server:
-    """Decodes one request per arm, greedily, on the latency model's clock (ms)."""
+    """Decodes one request per arm, greedily, on the wall clock: real LM and head forward passes, retrievals in a
+    thread pool, and the spec's costs as sleeps scaled by `time_scale` (a decoded token `decode_ms`, a prefilled
+    token `prefill_ms`, a query embedding `embed_ms` on whichever path asks for it, the monitor's included, a head
+    call `head_ms`, a retrieval `retrieval_ms` x lognormal(0, `retrieval_jitter`) drawn from (seed, question,
+    repeat) so the n-th retrieval of every arm gets the same draw). Small costs accrue as a debt slept at the next
+    token boundary or blocking wait (one sleep per step, not one per 0.02 ms charge)."""
 
-    def __init__(self, p: Params, d: dict, lm: TinyLM, heads: Heads, retrieval_ms: float):
+    def __init__(self, p: Params, d: dict, lm: TinyLM, heads: Heads, retrieval_ms: float, workers: int = 4):
         self.p, self.d, self.lm, self.heads, self.l_r = p, d, lm, heads, retrieval_ms
         self.emb = torch.from_numpy(d["emb"])  # (F, 384)
         self.encode, self._cache = encoder(p), {}
+        self.pool = ThreadPoolExecutor(max_workers=workers)
         v = d["vocab"]
         self.stop, self.dot = v.stoi["</a>"], v.stoi.get(".", -1)
         self.banned = torch.tensor([v.stoi[s] for s in SPECIAL if s != "</a>"] + [0, 1])  # never generated
 
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
     def text_vec(self, text: str) -> torch.Tensor:
+        """MiniLM embedding of one text; the compute is cached across arms and repeats, its cost `embed_ms` is
+        charged by the caller on every call."""
         if text not in self._cache:
             self._cache[text] = torch.from_numpy(self.encode([text])[0])
         return self._cache[text]  # (384,)
@@ -407,75 +432,95 @@ class Server:
         order = torch.argsort(self.emb @ vec, descending=True, stable=True).tolist()
         return [f for f in order if f not in exclude][:k]
 
-    def serve(self, arm: str, item: dict, q_index: int) -> dict:
-        p, d, itos = self.p, self.d, self.d["vocab"].itos
-        rng = np.random.default_rng([p.seed, q_index])  # the n-th retrieval of every arm gets the same draw
-        st = {"clock": 0.0, "stall": 0.0, "retrievals": 0, "ctx": list(item["q"]), "in_ctx": set(), "cache": []}
-        pending: list[tuple[float, list[int]]] = []  # (arrival time, fact ids)
+    def _retrieve(self, vec: torch.Tensor, k: int, exclude: set[int], sleep_s: float) -> list[int]:
+        time.sleep(sleep_s)  # the network latency L_r (scaled), then the real search
+        return self.search_top(vec, k, exclude)
 
-        def search(vec: torch.Tensor, k: int) -> list[int]:
-            return self.search_top(vec, k, st["in_ctx"])
+    def serve(self, arm: str, item: dict, q_index: int, repeat: int = 0) -> dict:
+        p, d, itos, scale = self.p, self.d, self.d["vocab"].itos, self.p.time_scale / 1000.0  # ms -> s
+        rng = np.random.default_rng([p.seed, q_index, repeat])  # the n-th retrieval of every arm: the same draw
+        st = {"debt": 0.0, "stall": 0.0, "retrievals": 0, "ctx": list(item["q"]), "in_ctx": set(), "cache": [],
+              "embeds": 0}
+        pending: list[Future] = []  # retrievals in flight, in launch order
 
-        def launch(vec: torch.Tensor, k: int = 1) -> tuple[float, list[int]]:
+        def charge(ms: float) -> None:
+            st["debt"] += ms
+
+        def pay() -> None:  # sleep the accrued cost of this step
+            if st["debt"] > 0:
+                time.sleep(st["debt"] * scale)
+                st["debt"] = 0.0
+
+        def embed(text: str) -> torch.Tensor:
+            st["embeds"] += 1
+            charge(p.embed_ms)
+            return self.text_vec(text)
+
+        def launch(vec: torch.Tensor, k: int = 1) -> Future:
             st["retrievals"] += 1
-            return st["clock"] + self.l_r * float(rng.lognormal(0.0, p.retrieval_jitter)), search(vec, k)
+            pay()  # the query is ready only once its embedding is paid for
+            sleep_s = self.l_r * float(rng.lognormal(0.0, p.retrieval_jitter)) * scale
+            return self.pool.submit(self._retrieve, vec, k, set(st["in_ctx"]), sleep_s)
 
         def insert(fids: list[int]) -> None:
             for f in fids:
+                if f in st["in_ctx"]:
+                    continue
                 st["ctx"] += d["docs"][f]
-                st["clock"] += p.prefill_ms * len(d["docs"][f])
+                charge(p.prefill_ms * len(d["docs"][f]))
                 st["in_ctx"].add(f)
                 st["cache"].append(f)
 
-        def wait_for(arrival: float, fids: list[int]) -> None:  # a blocking (synchronous) retrieval or a stall
-            st["stall"] += max(0.0, arrival - st["clock"])
-            st["clock"] = max(st["clock"], arrival)
+        def wait_for(fut: Future) -> None:  # a blocking (synchronous) retrieval or a stall
+            pay()
+            t = time.perf_counter()
+            fids = fut.result()
+            st["stall"] += (time.perf_counter() - t) * 1000.0
             insert(fids)
 
+        start = time.perf_counter()
         question = item["question"]
-        if arm in ("sync_single", "sync_active"):
-            st["clock"] += p.embed_ms
-            wait_for(*launch(self.text_vec(question), p.top_k))
+        if arm == "gold_docs":  # the premise arm: the gold passages in the context before answering
+            insert(item["gold"])
+        elif arm in ("sync_single", "sync_active"):
+            wait_for(launch(embed(question), p.top_k))
         elif arm == "heuristic_async":
-            st["clock"] += p.embed_ms
-            pending.append(launch(self.text_vec(question)))
+            pending.append(launch(embed(question)))
         st["ctx"].append(d["vocab"].stoi["<a>"])
-        st["clock"] += p.prefill_ms * (len(item["q"]) + 1)  # passages were charged when inserted
+        charge(p.prefill_ms * (len(item["q"]) + 1))  # passages were charged when inserted
         answer, ttft, triggers = [], None, []
         for step in range(p.max_answer_tokens):
-            for x in [x for x in pending if x[0] <= st["clock"]]:  # arrivals join at this token boundary
-                pending.remove(x)
-                insert(x[1])
+            for fut in [f for f in pending if f.done()]:  # arrivals join at this token boundary
+                pending.remove(fut)
+                insert(fut.result())
             h, ent = lm_state(self.lm, st["ctx"][-p.context:])
             if arm == "method":
                 px, qx = features(h, ent, len(h) - 1)
                 logit, qvec = self.heads(px[None], qx[None])
-                st["clock"] += p.head_ms
+                charge(p.head_ms)
                 if torch.sigmoid(logit)[0] > p.p_star and not pending:
                     covered = st["cache"] and float((self.emb[st["cache"]] @ qvec[0]).max()) >= p.kappa_query
                     if not covered:
                         pending.append(launch(qvec[0]))
                         triggers.append(step)
-            if float(ent[-1]) > p.theta and arm != "no_retrieval":  # a high-entropy point
+            if float(ent[-1]) > p.theta and arm not in ("no_retrieval", "gold_docs"):  # a high-entropy point
                 if pending:
-                    first = min(pending)
-                    pending.remove(first)
-                    wait_for(*first)
+                    wait_for(pending.pop(0))
                     h, ent = lm_state(self.lm, st["ctx"][-p.context:])
                 if float(ent[-1]) > p.theta and arm in ("sync_active", "method"):
                     if arm == "method":
                         vec = self.heads(*features(h, ent, len(h) - 1))[1]
-                        st["clock"] += p.head_ms
+                        charge(p.head_ms)
                     else:  # FLARE-style: query with the question and the partial sentence
                         partial = " ".join(itos[t] for t in answer).split(" . ")[-1]
-                        vec = self.text_vec(f"{question} {partial}")
-                        st["clock"] += p.embed_ms
-                    wait_for(*launch(vec))
+                        vec = embed(f"{question} {partial}")
+                    wait_for(launch(vec))
                     h, ent = lm_state(self.lm, st["ctx"][-p.context:])
             logits = h[-1] @ self.lm.body.tok.weight.T  # (V,)
             tok = int(logits.index_fill(0, self.banned, -torch.inf).argmax())
-            st["clock"] += p.decode_ms
-            ttft = st["clock"] if ttft is None else ttft
+            charge(p.decode_ms)
+            pay()
+            ttft = (time.perf_counter() - start) * 1000.0 if ttft is None else ttft
             if tok == self.stop:
                 break
             answer.append(tok)
@@ -483,20 +528,23 @@ class Server:
             words = [itos[t] for t in answer]
             if arm == "method" and st["cache"] and tok != self.dot:  # context monitor on the latest sentence
                 sentence = " ".join(words).split(" . ")[-1]
-                sims = self.emb[st["cache"]] @ self.text_vec(sentence)
+                sims = self.emb[st["cache"]] @ embed(sentence)  # charged: the monitor embeds on the decode path
                 if float(sims.max()) < p.kappa:  # information need shifted: invalidate, retrieve for the new need
                     st["cache"].clear()
                     if not pending:
                         pending.append(launch(self.heads(*features(h, ent, len(h) - 1))[1]))
                         triggers.append(step)
             if arm == "heuristic_async" and (step + 1) % p.heuristic_every == 0:
-                st["clock"] += p.embed_ms
-                pending.append(launch(self.text_vec(" ".join(itos[t] for t in st["ctx"][-16:]))))
+                pending.append(launch(embed(" ".join(itos[t] for t in st["ctx"][-16:]))))
+        pay()
+        latency = (time.perf_counter() - start) * 1000.0
+        for fut in pending:  # retrievals still in flight when the answer ended: not waited for, not counted
+            fut.cancel()
         text = " ".join(itos[t] for t in answer)
         found = [o in f" {text} " for o in (f" {o} " for o in item["objects"])]
-        return {"latency_ms": st["clock"], "ttft_ms": ttft, "fact_acc": float(np.mean(found)),
+        return {"latency_ms": latency, "ttft_ms": ttft, "fact_acc": float(np.mean(found)),
                 "exact_match": float(text == item["answer"]), "retrievals": st["retrievals"],
-                "stall_ms": st["stall"], "answer": text, "triggers": triggers}
+                "stall_ms": st["stall"], "embeds": st["embeds"], "answer": text, "triggers": triggers}
 
 
 # ---- evaluation ----------------------------------------------------------------------------------------------------
@@ -540,28 +588,44 @@ def evaluate(ctx) -> dict[str, float]:
         roc_curves(ctx.plots_dir / "predictor_roc.png", label, {"retrieval predictor": score, "entropy trigger": ent},
                    f"Spike within the next {p.delta} tokens")
 
-    results: dict[float, dict[str, list[dict]]] = {}
+    results: dict[float, list[dict[str, list[dict]]]] = {}  # L_r -> repeat -> arm -> per-question rows
     for l_r in [p.retrieval_ms, *[x for x in p.retrieval_sweep if x != p.retrieval_ms]]:
         server = Server(p, d, lm, heads, l_r)
-        results[l_r] = {arm: [server.serve(arm, it, k) for k, it in enumerate(test)] for arm in ARMS}
-        ctx.progress(f"L_r={l_r:g} ms: served {len(test)} questions x {len(ARMS)} arms")
-    for l_r, res in results.items():
-        for arm, rows in res.items():
+        reps = p.repeats if l_r == p.retrieval_ms else 1
+        results[l_r] = []
+        for r in range(reps):  # arms interleaved per question, so load drifts hit every arm alike
+            rows = {arm: [] for arm in ARMS}
+            for k, it in enumerate(test):
+                for arm in ARMS:
+                    rows[arm].append(server.serve(arm, it, k, r))
+            results[l_r].append(rows)
+        server.close()
+        ctx.progress(f"L_r={l_r:g} ms: served {len(test)} questions x {len(ARMS)} arms x {reps} repeats (wall clock)")
+    keys = ("latency_ms", "ttft_ms", "fact_acc", "exact_match", "retrievals", "stall_ms", "embeds")
+    for l_r, reps in results.items():
+        for arm in ARMS:
             prefix = "method/" if arm == "method" else f"baseline/{arm}/"
-            for key in ("latency_ms", "ttft_ms", "fact_acc", "exact_match", "retrievals", "stall_ms"):
-                value = float(np.mean([r[key] for r in rows]))
+            for key in keys:
+                per = [float(np.mean([x[key] for x in rows[arm]])) for rows in reps]  # one mean per repeat
                 if l_r == p.retrieval_ms:
-                    m[prefix + key] = value
-                m[f"detail/lr{l_r:g}/{arm}/{key}"] = value
-        meth = {k: np.mean([r[k] for r in res["method"]]) for k in ("latency_ms", "ttft_ms")}
-        m[f"detail/lr{l_r:g}/latency_reduction"] = float(1 - meth["latency_ms"] / np.mean(
-            [r["latency_ms"] for r in res["sync_active"]]))
-        m[f"detail/lr{l_r:g}/ttft_gain"] = float(1 - meth["ttft_ms"] / np.mean(
-            [r["ttft_ms"] for r in res["sync_single"]]))
-    m["method/latency_reduction"] = m[f"detail/lr{p.retrieval_ms:g}/latency_reduction"]  # paper: 0.435
-    m["method/ttft_gain"] = m[f"detail/lr{p.retrieval_ms:g}/ttft_gain"]  # paper: 0.624
+                    m[prefix + key] = float(np.mean(per))
+                    if key in ("latency_ms", "ttft_ms"):
+                        m |= {f"{prefix}{key}/k{i}": v for i, v in enumerate(per)}
+                m[f"detail/lr{l_r:g}/{arm}/{key}"] = float(np.mean(per))
+        red = [1 - np.mean([x["latency_ms"] for x in rows["method"]]) / np.mean(
+            [x["latency_ms"] for x in rows["sync_active"]]) for rows in reps]
+        gain = [1 - np.mean([x["ttft_ms"] for x in rows["method"]]) / np.mean(
+            [x["ttft_ms"] for x in rows["sync_single"]]) for rows in reps]
+        m[f"detail/lr{l_r:g}/latency_reduction"], m[f"detail/lr{l_r:g}/ttft_gain"] = float(np.mean(red)), float(
+            np.mean(gain))
+        if l_r == p.retrieval_ms:  # paper: 0.435 and 0.624
+            m |= {f"method/latency_reduction/k{i}": float(v) for i, v in enumerate(red)}
+            m |= {f"method/ttft_gain/k{i}": float(v) for i, v in enumerate(gain)}
+    m["method/latency_reduction"] = m[f"detail/lr{p.retrieval_ms:g}/latency_reduction"]
+    m["method/ttft_gain"] = m[f"detail/lr{p.retrieval_ms:g}/ttft_gain"]
     m["method/fact_acc_vs_best_sync"] = m["method/fact_acc"] - max(
         m["baseline/sync_single/fact_acc"], m["baseline/sync_active/fact_acc"])
+    results = {l_r: reps[0] for l_r, reps in results.items()}  # answers and plots: the first repeat
     main = results[p.retrieval_ms]
     with open(ctx.out_dir / "answers.jsonl", "w") as f:
         for k, it in enumerate(test):
@@ -581,7 +645,7 @@ def _plots(out: Path, m: dict, results: dict, p: Params, tr: dict, score: np.nda
         ax.bar(range(len(ARMS)), [m[n + key] for n in names], color=["tab:red"] + ["tab:gray"] * (len(ARMS) - 1))
         ax.set_xticks(range(len(ARMS)), [a.replace("_", "\n") for a in ARMS], fontsize=7)
         ax.set_ylabel(label)
-    axes[0].set_title(f"L_r = {p.retrieval_ms:g} ms (simulated)")
+    axes[0].set_title(f"L_r = {p.retrieval_ms:g} ms, costs slept x {p.time_scale:g} (wall clock)")
     fig.tight_layout()
     fig.savefig(out / "latency_quality.png", dpi=110)
     plt.close(fig)
@@ -619,11 +683,22 @@ PAPER = Paper(
     train=train,
     evaluate=evaluate,
     primary=("method/latency_reduction", "max"),
-    claim=Claim(all_of=(
-        Compare("method/latency_reduction", ">", 0.0),  # vs synchronous active RAG; paper 0.435
-        Compare("method/ttft_gain", ">", 0.0),  # vs synchronous single-shot RAG; paper 0.624
-        Compare("method/fact_acc_vs_best_sync", ">=", -0.02),  # within 2 points of the better synchronous arm
-        Compare("method/predictor_auroc", ">", "baseline/entropy_trigger/predictor_auroc"),
-    ), summary="lower latency than synchronous active RAG, faster first token than single-shot RAG, comparable "
-               "fact accuracy, and a predictor that sees entropy spikes coming better than the current entropy"),
+    claim=Claim(
+        premises=(  # the generator answers from passages at all, else no retrieval arm can be compared on quality
+            Compare("baseline/gold_docs/fact_acc", ">=", 0.8, name="lm_reads_gold_docs"),
+        ),
+        all_of=(
+            Compare("method/latency_reduction", ">", 0.0, timed=True),  # vs synchronous active RAG; paper 0.435
+            Compare("method/fact_acc_vs_best_sync", ">=", -0.02),  # within 2 points of the better synchronous arm
+            Compare("method/fact_acc", ">", "baseline/heuristic_async/fact_acc"),  # predicted vs fixed-period prefetch
+            Compare("method/predictor_auroc", ">", "baseline/entropy_trigger/predictor_auroc"),
+        ),
+        context=(  # single-shot RAG blocks on a retrieval before its first token by definition, the method never does
+            Compare("method/ttft_gain", ">", 0.0, timed=True),  # paper 0.624
+            Compare("method/latency_ms", "<", "baseline/heuristic_async/latency_ms", timed=True),
+        ),
+        summary="lower wall-clock latency than synchronous active RAG, fact accuracy within 2 points of the better "
+                "synchronous arm and above heuristic asynchronous RAG (a retrieval every 16 tokens), and a "
+                "predictor that sees entropy spikes coming better than the current entropy; TTFT against "
+                "single-shot RAG is context (it holds by the arms' definitions)"),
 )

@@ -1,5 +1,5 @@
 """Async RAG's mechanism on tiny inputs: the KB and questions, the training sequences, the traces' labels, the
-latency model's clock (known values), and the real-data loaders on fixtures."""
+wall-clock server (lower bounds and counts), and the real-data loaders on fixtures."""
 
 from __future__ import annotations
 
@@ -91,31 +91,53 @@ def test_lead_times_known_values():
     assert ar.lead_times(ent, ent, item, pos, 1.0, p) == 0.0  # the current entropy fires only at the spike
 
 
-def test_latency_model_clock_known_values(data):
+def test_wall_clock_serving_lower_bounds_and_counts(data):
+    """Real threads and sleeps: every cost the arm pays is a lower bound on its measured latency (sleeps never end
+    early), blocking retrievals stall at least L_r, the monitor's embeddings are counted and charged, and the
+    gold-docs arm never retrieves. Upper bounds are not asserted: the machine may be loaded."""
     p, d = data
     torch.manual_seed(0)
     lm, heads = ar._lm(p, len(d["vocab"])).eval(), ar.Heads(p.d_model).eval()
     with torch.no_grad():
         lm.body.tok.weight.zero_()  # uniform next-token distribution: every point is high-entropy, never "</a>"
-    server = ar.Server(p, d, lm, heads, retrieval_ms=25.0)
+    l_r = 20.0
+    server = ar.Server(p, d, lm, heads, retrieval_ms=l_r)
     it = next(x for x in d["items"] if x["split"] == "test")
-    with torch.no_grad():
-        r = {arm: server.serve(arm, it, 0) for arm in ar.ARMS}
-        again = server.serve("method", it, 0)
-    assert again == r["method"]  # deterministic
+    try:
+        with torch.no_grad():
+            r = {arm: server.serve(arm, it, 0) for arm in ar.ARMS}
+    finally:
+        server.close()
     prefill = p.prefill_ms * (len(it["q"]) + 1)
+    steps = p.max_answer_tokens  # never "</a>"
     base = r["no_retrieval"]
-    steps = len(base["answer"].split()) + (len(base["answer"].split()) < p.max_answer_tokens)
-    assert base["ttft_ms"] == pytest.approx(prefill + p.decode_ms)
-    assert base["latency_ms"] == pytest.approx(prefill + p.decode_ms * steps) and base["retrievals"] == 0
+    assert base["retrievals"] == 0 and base["embeds"] == 0 and base["stall_ms"] == 0
+    assert base["ttft_ms"] >= prefill + p.decode_ms and base["latency_ms"] >= prefill + p.decode_ms * steps
     docs = sum(len(d["docs"][f]) for f in server.search_top(server.text_vec(it["question"]), p.top_k))
-    assert r["sync_single"]["ttft_ms"] == pytest.approx(p.embed_ms + 25.0 + p.prefill_ms * docs + prefill + p.decode_ms)
-    # heuristic async: one background retrieval at embed_ms; the first (uncertain) token stalls until it arrives
-    assert r["heuristic_async"]["stall_ms"] == pytest.approx(25.0 - prefill)
-    # active RAG: the question retrieval, then one blocking retrieval at every (uncertain) token
-    assert r["sync_active"]["retrievals"] == 1 + len(r["sync_active"]["answer"].split()) + (
-        len(r["sync_active"]["answer"].split()) < p.max_answer_tokens)
-    assert r["sync_active"]["stall_ms"] == pytest.approx(25.0 * r["sync_active"]["retrievals"])
+    assert r["sync_single"]["ttft_ms"] >= p.embed_ms + l_r + p.prefill_ms * docs + prefill + p.decode_ms
+    assert r["sync_single"]["stall_ms"] >= l_r  # a blocking retrieval before the first token
+    # active RAG: the question retrieval, then one blocking retrieval at every (uncertain) token, each >= L_r
+    assert r["sync_active"]["retrievals"] == 1 + steps and r["sync_active"]["stall_ms"] >= l_r * (1 + steps)
+    assert r["heuristic_async"]["retrievals"] == 1 and r["heuristic_async"]["stall_ms"] > 0  # stalls at token 1
+    meth = r["method"]  # its monitor embeds the latest sentence on the decode path: charged embed_ms each
+    assert meth["latency_ms"] >= prefill + p.decode_ms * steps + p.embed_ms * meth["embeds"] + p.head_ms * steps
+    gold = r["gold_docs"]
+    assert gold["retrievals"] == 0 and gold["stall_ms"] == 0
+    assert gold["ttft_ms"] >= prefill + p.prefill_ms * sum(len(d["docs"][f]) for f in it["gold"]) + p.decode_ms
+
+
+def test_time_scale_scales_the_slept_costs(data):
+    p, d = data
+    torch.manual_seed(0)
+    lm, heads = ar._lm(p, len(d["vocab"])).eval(), ar.Heads(p.d_model).eval()
+    it = next(x for x in d["items"] if x["split"] == "test")
+    fast = ar.Server(p.model_copy(update={"time_scale": 0.1, "decode_ms": 50.0}), d, lm, heads, retrieval_ms=1.0)
+    try:
+        with torch.no_grad():
+            row = fast.serve("no_retrieval", it, 0)
+    finally:
+        fast.close()
+    assert row["latency_ms"] >= 5.0 * (len(row["answer"].split()) + (len(row["answer"].split()) < p.max_answer_tokens))
 
 
 def test_loaders_on_fixtures(tmp_path):
