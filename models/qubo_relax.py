@@ -11,15 +11,22 @@ What it implements (function names in brackets):
   g = 2 Q x + c) by enumeration up to `enum_max` binaries, else on sampled infeasible binaries; it returns the
   counterexample count [check_conditions];
 - solvers, batched over instances x random starts: projected gradient descent with eta = 1 / (2 ||Q||_2) and
-  projected Adam, stopped at ||dx||_inf < 1e-6 or the step cap [pgd, adam]; baselines: the naive formulation with
+  projected Adam, stopped when the projected gradient ||x - clip(x - grad f)||_inf < 1e-6 (a stationary point; a
+  stalled step, e.g. Adam's momentum pressing on a bound, does not count) or the step cap [pgd, adam,
+  projected_gradient]; the share of runs that converged is a premise of the claim; baselines: the naive formulation with
   the same solvers, naive + rounding at 0.5, simulated annealing on the naive binary QUBO [anneal];
 - exact optima as the reference for optimality gaps: dynamic programming (knapsack), a min cut with networkx
   (open-pit maximum closure), Held-Karp (TSP) [knapsack_dp, pit_mincut, held_karp].
 
 Deviations from the paper (the abstract states neither its conditions nor its constructions):
 - C1/C2 above are our sufficient conditions; the proposed formulations are labelled candidates. Knapsack's
-  candidate (the binary-slack squared residual with a concave diagonal) can fail C2 for any penalty, and the
-  checker reports that honestly.
+  candidate (the binary-slack squared residual with a concave diagonal) fails C2 for any penalty, and so does a
+  unary slack encoding: with the slack off and an excess r = w^T x - C smaller than half of every chosen item's
+  weight, dropping an item overshoots the residual (P w_i (w_i - 2 r) > 0) and adding slack raises it, so the
+  infeasible point is a single-flip local minimum (tests/test_qubo_relax.py). A quadratic penalty that meets C2 for
+  general weights is the paper's construction, which the abstract does not give; the claim therefore takes "the
+  knapsack candidate meets C1 + C2" as a premise, which it does not (the experiment cannot test the paper's
+  knapsack statement), and reports the knapsack runs beside it.
 - "Feasible" is the original problem's constraint on the decision variables (knapsack: w^T x <= C; open pit: a
   closure; TSP: a permutation matrix), read from the final iterate rounded at 0.5.
 - C2 for instances above `enum_max` binaries (6-city TSP) is checked on sampled infeasible binaries only.
@@ -50,6 +57,7 @@ from models.inputs import input_path
 PROBLEMS = ("knapsack", "pit", "tsp_small", "tsp_large")
 FORMULATIONS = ("proposed", "naive")
 SOLVERS = ("pgd", "adam")
+STATIONARY_TOL = 1e-6  # a run has converged when its projected gradient's largest entry is below this
 
 
 class Params(PaperParams):
@@ -381,15 +389,23 @@ def adam(q, c, x0, max_steps: int, lr: float, betas=(0.9, 0.999), eps=1e-8):
     return _projected(update, q, c, x0, max_steps)
 
 
-def _projected(update, q, c, x0, max_steps):
+def projected_gradient(q: torch.Tensor, c: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """First-order stationarity on the box: ||x - clip(x - grad f(x))||_inf per run (I, R); zero exactly at a KKT
+    point of min f over [0, 1]^n."""
+    g = 2 * x @ q + c[:, None]  # (I, R, n); q symmetric
+    return (x - (x - g).clamp(0, 1)).abs().amax(-1)
+
+
+def _projected(update, q, c, x0, max_steps, tol: float = STATIONARY_TOL):
+    """Iterate until the projected gradient is below `tol` (a stationary point: a step that merely stalls, such as
+    Adam's momentum pressing against a bound, does not count) or the step cap."""
     x, steps = x0.clone(), torch.full(x0.shape[:2], max_steps)
     active = torch.ones(x0.shape[:2], dtype=torch.bool)
     for step in range(1, max_steps + 1):
         g = 2 * x @ q + c[:, None]  # (I, R, n); q symmetric
         new = update(x, g, step).clamp(0, 1)
-        moved = (new - x).abs().amax(-1)  # (I, R)
         x = torch.where(active[..., None], new, x)
-        stopped = active & (moved < 1e-6)
+        stopped = active & (projected_gradient(q, c, x) < tol)
         steps[stopped] = step
         active &= ~stopped
         if not active.any():
@@ -424,13 +440,16 @@ def train(ctx) -> None:
     ctx.progress("nothing to learn: the solvers run in evaluate")
 
 
-def _run_stats(problem, insts, x: np.ndarray, steps: np.ndarray, max_steps: int) -> dict[str, float]:
+def _run_stats(problem, insts, x: np.ndarray, steps: np.ndarray, max_steps: int,
+               converged: np.ndarray | None = None) -> dict[str, float]:
     binary = np.minimum(x, 1 - x).max(-1) < 1e-3  # (I, R)
     z = (x > 0.5).astype(float)
     feas = np.stack([feasible(problem, r["params"], z[i]) for i, r in enumerate(insts)])
     gaps = np.stack([gap(problem, r["params"], z[i], r["optimum"]) for i, r in enumerate(insts)])
     out = {"binary": binary.mean(), "feasible": feas.mean(), "bin_feas": (binary & feas).mean(),
            "capped": (steps >= max_steps).mean()}
+    if converged is not None:  # the projected gradient below STATIONARY_TOL at the final iterate
+        out["converged"] = converged.mean()
     if feas.any() and np.isfinite(gaps[feas]).all():  # no gap where the optimum is unknown (large TSPLIB)
         out["gap"] = gaps[feas].mean()
     return out
@@ -458,7 +477,8 @@ def evaluate(ctx) -> dict[str, float]:
             ctx.progress(f"{problem} ({n} variables), {f}: PGD and Adam from {p.starts} starts x {len(insts)}")
             runs = {"pgd": pgd(qt, ct, x0, p.max_steps), "adam": adam(qt, ct, x0, p.max_steps, p.adam_lr)}
             for solver, (x, steps) in runs.items():
-                stats = _run_stats(problem, insts, x.numpy(), steps.numpy(), p.max_steps)
+                converged = (projected_gradient(qt, ct, x) < STATIONARY_TOL).numpy()
+                stats = _run_stats(problem, insts, x.numpy(), steps.numpy(), p.max_steps, converged)
                 out |= {f"{prefix}{solver}_{k}": float(v) for k, v in stats.items()}
                 if f == "naive":
                     z = (x.numpy() > 0.5).astype(float)  # rounding baseline: binary by construction
@@ -474,6 +494,9 @@ def evaluate(ctx) -> dict[str, float]:
         optima = [r["optimum"] for r in insts]
         if np.isfinite(optima).all():  # unknown above exact_tsp_max cities (a TSPLIB instance): no such metric
             out[f"detail/{problem}/optimum_mean"] = float(np.mean(optima))
+    for solver in SOLVERS:  # the share of runs that reached a stationary point, worst problem x formulation
+        out[f"detail/{solver}_converged_min"] = min(
+            out[f"{pre}{pr}/{solver}_converged"] for pr in PROBLEMS for pre in ("method/", "baseline/naive/"))
     out["method/bin_feas"] = float(np.mean([out[f"method/{pr}/bin_feas"] for pr in PROBLEMS]))
     out["baseline/naive/bin_feas"] = float(np.mean([out[f"baseline/naive/{pr}/bin_feas"] for pr in PROBLEMS]))
     _plot(ctx.plots_dir / "binary_feasible_rates.png", out)
@@ -507,13 +530,22 @@ PAPER = Paper(
     train=train,
     evaluate=evaluate,
     primary=("method/bin_feas", "max"),
-    claim=Claim(all_of=tuple(itertools.chain.from_iterable((
-        Compare(f"method/{pr}/conditions_ok", ">=", 1.0),
-        Compare(f"method/{pr}/pgd_bin_feas", ">=", 0.99),
-        Compare(f"method/{pr}/adam_bin_feas", ">=", 0.99),
-        Compare(f"method/{pr}/bin_feas", ">", f"baseline/naive/{pr}/bin_feas"),
-    ) for pr in PROBLEMS)), summary="per problem (knapsack candidate, open pit, small and large TSP): the proposed "
-                                    "relaxation passes C1 + C2, >= 99% of PGD and Adam runs end binary and feasible, "
-                                    "and the naive relaxation's rate is lower"),
+    claim=Claim(
+        premises=(  # a rate read off runs stopped by the step cap measures the cap, not the local minima
+            Compare("detail/pgd_converged_min", ">=", 0.99, name="pgd_converged"),
+            Compare("detail/adam_converged_min", ">=", 0.99, name="adam_converged"),
+            # our knapsack candidate is not the paper's construction (not in the abstract); where it fails C1/C2,
+            # the experiment cannot test the paper's knapsack claim
+            Compare("method/knapsack/conditions_ok", ">=", 1.0, name="knapsack_candidate_meets_c1_c2"),
+        ),
+        all_of=tuple(itertools.chain.from_iterable((
+            *((Compare(f"method/{pr}/conditions_ok", ">=", 1.0),) if pr != "knapsack" else ()),
+            Compare(f"method/{pr}/pgd_bin_feas", ">=", 0.99),
+            Compare(f"method/{pr}/adam_bin_feas", ">=", 0.99),
+            Compare(f"method/{pr}/bin_feas", ">", f"baseline/naive/{pr}/bin_feas"),
+        ) for pr in PROBLEMS)),
+        summary="per problem (knapsack candidate, open pit, small and large TSP): the proposed relaxation passes "
+                "C1 + C2, >= 99% of PGD and Adam runs end binary and feasible, and the naive relaxation's rate is "
+                "lower; premises: the solvers reached stationary points, the knapsack candidate meets C1 + C2"),
     learns=False,
 )

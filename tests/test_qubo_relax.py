@@ -152,3 +152,38 @@ def test_prepare_reads_minelib_for_the_open_pit(tmp_path):
     d = m.load(tmp_path / "out")
     assert len(d["pit"]) == 1 and d["pit"][0]["optimum"] == pytest.approx(3.0)
     assert len(d["pit"][0]["naive"][1]) == 4
+
+
+def test_solvers_stop_only_at_stationary_points():
+    """A run stops when the projected gradient ||x - clip(x - g)||_inf is below the tolerance (a KKT point of the box
+    problem), never merely because the iterate stalled; the measure is zero at a bound the gradient presses on."""
+    q1, c_out, c_in = torch.tensor([[[-0.01]]], dtype=torch.float64), torch.tensor([[-1.0]], dtype=torch.float64), \
+        torch.tensor([[1.0]], dtype=torch.float64)
+    one = torch.ones((1, 1, 1), dtype=torch.float64)
+    assert m.projected_gradient(q1, c_out, one).item() == 0  # gradient pushes past x = 1: stationary
+    assert m.projected_gradient(q1, c_in, one).item() > 0.9  # gradient points into the box: not stationary
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((2, 6, 6))
+    q = torch.from_numpy((a + a.transpose(0, 2, 1)) / 2)
+    c = torch.from_numpy(rng.standard_normal((2, 6)))
+    x0 = torch.from_numpy(rng.random((2, 32, 6)))
+    for x, steps in (m.pgd(q, c, x0, 3000), m.adam(q, c, x0, 3000, 0.05)):
+        done = steps < 3000
+        assert done.any()
+        assert (m.projected_gradient(q, c, x)[done] < m.STATIONARY_TOL).all()
+
+
+@pytest.mark.parametrize("big_p", [1.0, 10.0, 1000.0])
+def test_squared_residual_knapsack_fails_c2_for_any_penalty_even_with_unary_slack(big_p):
+    """Why the knapsack candidate cannot meet C2: with every slack bit off and a small excess r = w^T x - C, dropping
+    an item of weight w_i > 2 r raises P (w^T x + s - C)^2 by P w_i (w_i - 2 r) and adding slack raises it too, so
+    the infeasible point is a single-flip local minimum for every P, whatever the slack encoding (unary here)."""
+    w, v, cap = np.array([6.0, 5.0]), np.array([1.0, 1.0]), 10
+    a = np.concatenate([w, np.ones(cap)])  # unary slack: one bit per unit of spare capacity
+    q, c = big_p * np.outer(a, a), -2 * big_p * cap * a - np.concatenate([v, np.zeros(cap)])
+    q, c = m.concave_diagonal(q, c, 0.01)
+    inst = {"w": w.tolist(), "v": v.tolist(), "C": cap, "bits": cap}
+    out = m.check_conditions("knapsack", inst, q, c, _params(), np.random.default_rng(0))
+    assert out["c1"] == 1 and out["c2_counterexamples"] >= 1
+    z = np.r_[1.0, 1.0, np.zeros(cap)]  # both items, no slack: w^T x = 11 > 10
+    assert ((2 * z @ q + c) * (1 - 2 * z) >= 0).all()  # no coordinate descends
