@@ -238,7 +238,9 @@ def _fold(s0, s1, s2, s3, s4, s5, n, DEPTH: tl.constexpr):
 MATMUL_CONFIGS = [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=st)
                   for bm, bn, w, st in [(64, 32, 8, 3), (64, 32, 8, 4), (64, 32, 8, 2), (64, 64, 8, 3),
                                         (64, 64, 8, 4), (128, 32, 8, 3)]]
-_ONE_CONFIG = (triton.Config({"BM": 16, "BN": 64}, num_warps=4, num_stages=1) if INTERPRET else MATMUL_CONFIGS[0])
+# Interpreted: BM = 64, since the interpreter's cost is per program (a 16-row tile made the LM's passes 4x slower);
+# the tile only chooses which outputs a program owns, not the trees.
+_ONE_CONFIG = (triton.Config({"BM": 64, "BN": 64}, num_warps=4, num_stages=1) if INTERPRET else MATMUL_CONFIGS[0])
 
 
 # Keyed on what every TP size shares (M, N, the segment width, the dtypes), not on the shard's K: in one process

@@ -204,11 +204,58 @@ def test_lm_rollout_and_training_logprobs_agree_only_with_tbik():
     assert (lp["tbik"][1] - fp32).abs().max() < 0.1  # bf16 inference stays close to the fp32 training path
     # the REINFORCE step: rollout at TP=4 and training recompute at TP=1 give rho == 1 exactly with TBIK
     seq = tok[:, :12]
-    roll = lm.logprobs(seq[:, :-1], "tbik", 4)[:, 3:].detach()
-    loss, stats = M.rl_step(lm, "tbik", 1, seq, roll, torch.ones(4), prompt_len=4)
+    roll = lm.logprobs(seq[:, :-1], "tbik", 4, kernels=True)[:, 3:].detach()  # the rollout engine's scoring
+    loss, stats = M.rl_step(lm, "tbik", 1, seq, roll, torch.ones(4), prompt_len=4)  # the trainer's kernels
     assert float(stats["dlogp"].max()) == 0.0 and float(stats["rho_ne1"].max()) == 0.0
     loss.backward()
     assert lm.layers[0]["o"].grad is not None and torch.isfinite(lm.layers[0]["o"].grad).all()
+
+
+def test_lm_routes_tp_dependent_ops_through_the_kernels(monkeypatch):
+    """kernels=True: the row-parallel matmuls run the family's Triton kernel and the TBIK denominator tbik_sum;
+    TBIK's kernel log-probs are bitwise equal across TP sizes, the naive kernels' are not, and the trainer's
+    rollout-vs-training gap is measured through them (naive: non-zero)."""
+    torch.manual_seed(0)
+    lm = M.TinyLM(vocab=64, d=32, n_layers=1, n_heads=2, max_len=16)
+    tok = torch.randint(0, 64, (2, 12))
+    calls = {"tbik_matmul": 0, "naive_tp_matmul": 0, "tbik_sum": 0}
+    for name in calls:
+        real = getattr(M.K, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(M.K, name, counted)
+    monkeypatch.setitem(M.FAMILIES, "tbik", (M.K.tbik_matmul_ref, M.K.tbik_matmul))
+    monkeypatch.setitem(M.FAMILIES, "naive", (M.K.naive_tp_matmul_ref, M.K.naive_tp_matmul))
+    with torch.no_grad():
+        lp = {f: {tp: lm.logprobs(tok, f, tp, kernels=True) for tp in (1, 4)} for f in ("tbik", "naive")}
+    assert calls["tbik_matmul"] == 2 * 2 and calls["naive_tp_matmul"] == 2 * 2  # o and down, per TP size
+    assert calls["tbik_sum"] == 2  # the vocabulary-parallel denominator, per TP size
+    assert torch.equal(lp["tbik"][1], lp["tbik"][4])
+    assert not torch.equal(lp["naive"][1], lp["naive"][4])
+    ref = lm.logprobs(tok, "tbik", 1)  # the reference of the same order: equal up to rounding inside a leaf
+    assert (lp["tbik"][1] - ref).abs().max() < 0.05
+    seq = tok[:, :10]
+    roll = lm.logprobs(seq[:, :-1], "naive", 4, kernels=True)[:, 3:].detach()
+    _, stats = M.rl_step(lm, "naive", 1, seq, roll, torch.ones(2), prompt_len=4)
+    assert float(stats["dlogp"].max()) > 0.0
+
+
+def test_kernel_matmul_backward_is_the_exact_products_gradient():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 5, 32, generator=g, requires_grad=True), torch.randn(32, 16, generator=g, requires_grad=True)
+    out = M._KernelMatmul.apply(x, w, M.K.tbik_matmul, 4)
+    assert out.shape == (3, 5, 16) and (out - x @ w).abs().max() < 0.1  # bf16 forward
+    up = torch.randn(3, 5, 16, generator=g)
+    gx, gw = torch.autograd.grad((out * up).sum(), (x, w))
+    ex, ew = torch.autograd.grad(((x @ w) * up).sum(), (x, w))
+    assert torch.allclose(gx, ex, atol=1e-5) and torch.allclose(gw, ew, atol=1e-4)
+    v = torch.rand(4, 64, generator=g, requires_grad=True)
+    total = M._TreeSum.apply(v, 4)
+    assert torch.equal(total, M.K.tbik_sum(v.detach(), 1, br=64)) and torch.allclose(total, v.sum(-1).detach())
+    total.sum().backward()
+    assert torch.equal(v.grad, torch.ones_like(v))
 
 
 def test_bigram_reward_and_first_divergence():
