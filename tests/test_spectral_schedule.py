@@ -75,3 +75,69 @@ def test_cifar10_and_imagenet64_loaders_on_fixtures(tmp_path):
     np.savez(tmp_path / "train_data_batch_1.npz", data=data, labels=np.array([5, 7]))
     y = ss.load_imagenet64(tmp_path / "train_data_batch_1.npz")
     assert y.shape == (2, 3, 64, 64) and np.allclose(y[1, 1, 3, 5], data[1, 4096 + 3 * 64 + 5] / 127.5 - 1)
+
+
+def _arms(arms=("tight", "edm", "edm_cond")):
+    import torch
+
+    torch.manual_seed(0)
+    p = ss.Params(arms=list(arms), channels=(4,), n_samples=4, nfe=[3, 5, 9], digits_control=False)
+    return ss.Arms(p, 1, 0.5, np.zeros(2), np.ones(2), (0.01, 5.0)), p
+
+
+class _Recorder:
+    """The exact denoiser of white Gaussian data of std s, D(x; sigma) = s^2 / (s^2 + sigma^2) x, recording its
+    calls."""
+
+    def __init__(self, s):
+        self.s, self.sigmas, self.conds = s, [], []
+
+    def __call__(self, x, sigma, cond=None):
+        self.sigmas.append(sigma.clone())
+        self.conds.append(cond)
+        return self.s**2 / (self.s**2 + sigma.reshape(-1, 1, 1, 1) ** 2) * x
+
+
+def test_sampling_with_the_exact_denoiser_recovers_the_data_std():
+    import torch
+
+    model, _ = _arms()
+    errors = {}
+    for nfe in (17, 65):
+        model.denoisers["edm"] = rec = _Recorder(0.7)
+        x = ss.sample_arm(model, "edm", nfe, np.zeros((256, 2)), (1, 8, 8), torch.Generator().manual_seed(0))
+        assert x.shape == (256, 1, 8, 8)
+        assert len(rec.sigmas) == nfe and all(c is None for c in rec.conds)  # 2n - 1 evaluations, unconditioned
+        assert torch.allclose(rec.sigmas[0], torch.full((256,), 80.0))  # EDM's global sigma_max
+        errors[nfe] = abs(float(x.std()) - 0.7)
+    assert errors[65] < 0.03 and errors[65] < errors[17] / 4  # Heun converges on the probability-flow ODE
+
+
+def test_tight_sampling_follows_each_codes_power_law_bounds_and_is_conditioned():
+    import torch
+
+    model, p = _arms()
+    model.denoisers["tight"] = rec = _Recorder(1.0)
+    codes = np.array([[0.0, 1.0], [2.0, 3.0], [-1.0, 2.0]])
+    lo, hi = ss.code_bounds(codes, 8, p.kappa_hi, p.kappa_lo, ss.quantisation_std())
+    x1 = ss.sample_arm(model, "tight", 5, codes, (1, 8, 8), torch.Generator().manual_seed(3))
+    seen = torch.stack(rec.sigmas)  # (NFE, B)
+    assert len(rec.sigmas) == 5
+    assert np.allclose(seen[0].numpy(), hi, rtol=1e-5) and np.allclose(seen.min(0).values.numpy(), lo, rtol=1e-5)
+    assert torch.allclose(rec.conds[0], torch.as_tensor(codes, dtype=torch.float32))  # standardised (mean 0, std 1)
+    x2 = ss.sample_arm(model, "tight", 5, codes, (1, 8, 8), torch.Generator().manual_seed(3))
+    assert np.array_equal(x1, x2)  # seeded: common random numbers across arms
+
+
+def test_digits_control_is_upsampled_scaled_and_not_a_power_law():
+    x, y = ss.load_digits_images(16)
+    assert x.shape == (1797, 1, 16, 16) and x.min() >= -1 and x.max() <= 1 and set(y) == set(range(10))
+    s = ss.radial_spectrum(x[:200])
+    codes = ss.fit_power_law(s)
+    f = np.arange(1, s.shape[1])
+    resid = np.log(s[:, 1:]) - (codes[:, :1] - codes[:, 1:] * np.log(f))
+    g = ss.gaussian_random_fields(200, 16, np.zeros(200), np.full(200, 2.5), np.random.default_rng(0))
+    sg = ss.radial_spectrum(g)
+    cg = ss.fit_power_law(sg)
+    resid_g = np.log(sg[:, 1:]) - (cg[:, :1] - cg[:, 1:] * np.log(f))
+    assert resid.std() > 1.5 * resid_g.std()  # the digits' spectra are further from a power law than the fields'
