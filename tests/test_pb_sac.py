@@ -109,3 +109,34 @@ def test_mujoco_task_replay_resumes_mid_episode():
     for k in a.state:
         assert torch.allclose(a.state[k], b.state[k], atol=1e-6, equal_nan=True), k
     assert a.state["sim"].shape[1] == 6 + 6  # Hopper: qpos (6) + qvel (6)
+
+
+def test_loss_scale_follows_the_q_range_and_certificate_chain_is_whole_reset_episodes(tmp_path):
+    """c is loss_scale x (r_max - r_min) / (1 - gamma) from the random policy's rewards written in prepare; the
+    certificate chain is whole episodes laid end to end, at least chain_steps long."""
+    p = pb_sac.Params(envs=["Pendulum-v1"], ref_episodes=2, eval_episodes=1, loss_scale=0.1, gamma=0.99)
+    pb_sac.prepare(p, tmp_path)
+    refs = pb_sac.read_table(tmp_path / "refs.parquet")
+    lo, hi = float(refs["reward_min"][0]), float(refs["reward_max"][0])
+    assert -16.3 <= lo < hi <= 0.0  # Pendulum's reward -(theta^2 + 0.1 thdot^2 + 0.001 u^2)
+    assert math.isclose(pb_sac.loss_scale(p, refs, 0), 0.1 * (hi - lo) / 0.01)
+    # a critic off by a tenth of the Q range no longer saturates the loss at 1 (it did with c = 10)
+    c = pb_sac.loss_scale(p, refs, 0)
+    assert pb_sac.certified_loss(torch.tensor([0.05 * (hi - lo) / 0.01]), torch.tensor([0.0]), c).item() < 0.3
+    torch.manual_seed(0)
+    actor = pb_sac.Actor(3, 1, 8, 2.0)
+    chain = pb_sac._flat(pb_sac.run_episodes("Pendulum-v1", pb_sac._policy(actor, False, 0), [1, 2, 3]))
+    assert len(chain["r"]) == 600 and torch.equal(chain["s"][1:200], chain["s2"][:199])  # episode-major, whole
+
+
+def test_mixing_time_of_a_long_ar1_chain_gives_an_informative_n_eff():
+    """On an AR(1) chain with phi = 0.9 (tau = 19), n_eff = n / (9 t_mix) grows linearly with the chain's length:
+    a chain of 2,000 steps leaves n_eff near 6, one of 40,000 near 120."""
+    rng = np.random.default_rng(0)
+    n_eff = {}
+    for n in (2000, 40000):
+        x = np.zeros(n)
+        for t in range(1, n):
+            x[t] = 0.9 * x[t - 1] + rng.standard_normal()
+        n_eff[n] = n / (9 * pb_sac.mixing_time(x))
+    assert 3 < n_eff[2000] < 10 and 80 < n_eff[40000] < 160
