@@ -21,7 +21,7 @@ import numpy as np
 _D4RL_DIMS = {"Hopper": (11, 3), "HalfCheetah": (17, 6), "Walker2d": (17, 6), "Ant": (27, 8)}
 
 
-def cifar(folder: Path, rows: int = 40) -> Path:
+def cifar(folder: Path, rows: int = 300) -> Path:
     """`cifar-10-batches-py`: pickled dicts of uint8 rows (3 x 32 x 32, channel-major) and integer labels."""
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)

@@ -342,9 +342,21 @@ class _Placeholders(torch.utils._python_dispatch.TorchDispatchMode):
     """Above FakeTensorMode: a Python read of a fake value gets a placeholder (0.5, 1, False), and ops whose output
     size depends on values (`nonzero`, boolean masks) get their upper bound, so the paper's control flow goes on."""
 
+    def __init__(self, real_data: bool = False):
+        super().__init__()
+        self.real_data = real_data
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
         kwargs = kwargs or {}
         aten = torch.ops.aten
+        if self.real_data:  # an op on real tensors only (the tables, constants) runs for real: data-side values
+            inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if inputs and not any(isinstance(t, FakeTensor) for t in inputs) \
+                    and sum(t.numel() for t in inputs) <= _MAX_READ:
+                with unset_fake_temporarily():
+                    return func(*args, **kwargs)
         if func is aten._local_scalar_dense.default:
             x = args[0]
             return False if x.dtype == torch.bool else (1 if not x.dtype.is_floating_point else 0.5)
@@ -566,7 +578,6 @@ def planning_data(paper, raw: Mapping[str, Any], test_raw: Mapping[str, Any], ca
 def plan(paper_id: str, raw: Mapping[str, Any], test_raw: Mapping[str, Any], *, profile: str = "full",
          gpu: str = DEFAULT_GPU, mfu: float = DEFAULT_MFU, cache: Path, budget_s: float = BUDGET_S) -> Plan:
     """Plan one paper's profile (`raw`: its validated-to-be params as a dict; `test_raw`: its test profile)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from models import registry
 
@@ -585,27 +596,94 @@ def plan(paper_id: str, raw: Mapping[str, Any], test_raw: Mapping[str, Any], *, 
         return result
     out_dir = cache / "out" / paper_id
     out_dir.mkdir(parents=True, exist_ok=True)
+    phases, result.stopped = _trace(paper, params, data_dir, out_dir, budget_s, real_data=False)
+    if result.stopped and not result.stopped.startswith("time budget"):
+        # the trace failed on a value fakes cannot give: once more with the tables' own values (a polyfit over the
+        # data, class counts, a repeat pattern); kept if it gets further
+        again, stopped = _forked(_trace, paper, params, data_dir, out_dir, budget_s, real_data=True)
+        if (not stopped, len(again)) > (False, len(phases)):
+            phases, result.stopped = again, stopped
+    for ph in phases:
+        ph.weights_bytes, ph.grads_bytes, ph.optimizer_bytes = model_states(
+            ph.params, ph.largest_layer, params.ranks, params.zero_stage, params.bf16)
+        ph.rank_bytes = (ph.weights_bytes + ph.grads_bytes + ph.optimizer_bytes + ph.buffers + ph.activation_bytes)
+    result.phases = phases
+    result.seconds = time.monotonic() - t0
+    return result
+
+
+def _trace(paper, params: PaperParams, data_dir: Path, out_dir: Path, budget_s: float,
+           real_data: bool) -> tuple[list[Phase], str]:
+    """Run `paper.train` under the planning context: (the phases traced, why it stopped or "")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     ctx = PlanContext(params=params, data_dir=data_dir, out_dir=out_dir, world_size=params.ranks,
                       deadline=time.process_time() + budget_s)
     threads = torch.get_num_threads()
+    stopped = ""
     try:
         with _alarm(ctx.deadline + 1), _quiet(), _no_saves(), _fake_reads(), \
-                FakeTensorMode(allow_non_fake_inputs=True), _Placeholders():
+                FakeTensorMode(allow_non_fake_inputs=True), _Placeholders(real_data), \
+                (_real_tables() if real_data else contextlib.nullcontext()):
             paper.train(ctx)
     except PlanStop as e:
-        result.stopped = str(e)
+        stopped = str(e)
         if os.environ.get("PAPERLINE_PLAN_DEBUG"):  # where the budget ran out
             traceback.print_exc()
     except Exception as e:  # noqa: BLE001 - the first thing fakes cannot do ends the plan; traced phases stand
-        result.stopped = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        stopped = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         if os.environ.get("PAPERLINE_PLAN_DEBUG"):
             traceback.print_exc()
     finally:
         torch.set_num_threads(threads)
-    for ph in ctx.phases:
-        ph.weights_bytes, ph.grads_bytes, ph.optimizer_bytes = model_states(
-            ph.params, ph.largest_layer, params.ranks, params.zero_stage, params.bf16)
-        ph.rank_bytes = (ph.weights_bytes + ph.grads_bytes + ph.optimizer_bytes + ph.buffers + ph.activation_bytes)
-    result.phases = ctx.phases
-    result.seconds = time.monotonic() - t0
-    return result
+    return ctx.phases, stopped
+
+
+@contextlib.contextmanager
+def _real_tables():
+    """Tensors made from NumPy arrays or Python lists (the planning tables, constants) are real, up to
+    `_MAX_READ` elements, and so is what ops compute from real tensors only (`_Placeholders(real_data=True)`);
+    everything a model computes stays fake. The planning data is small (the test
+    profile's amount), so this costs little, but a batch indexed past its rows fails: only a retry uses it."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def real(make):
+        def made(data, *args, **kwargs):
+            if isinstance(data, torch.Tensor) or getattr(data, "size", 0) > _MAX_READ:
+                return make(data, *args, **kwargs)
+            with unset_fake_temporarily():
+                return make(data, *args, **kwargs)
+        return made
+
+    saved = {name: getattr(torch, name) for name in ("tensor", "as_tensor", "from_numpy")}
+    for name, make in saved.items():
+        setattr(torch, name, real(make))
+    try:
+        yield
+    finally:
+        for name, make in saved.items():
+            setattr(torch, name, make)
+
+
+def _forked(fn: Callable, *args, **kwargs) -> tuple[list[Phase], str]:
+    """`fn(*args, **kwargs)` in a forked child: real values fed to native code (LAPACK, k-means) may abort the
+    process, which must not take the plan with it."""
+    import multiprocessing
+
+    receive, send = multiprocessing.get_context("fork").Pipe(duplex=False)
+
+    def child():
+        try:
+            send.send(fn(*args, **kwargs))
+        finally:
+            os._exit(0)
+
+    proc = multiprocessing.get_context("fork").Process(target=child, daemon=True)
+    proc.start()
+    send.close()
+    try:
+        return receive.recv()
+    except EOFError:
+        return [], f"the retry on real table values died (exit code {proc.join() or proc.exitcode})"
+    finally:
+        proc.join()

@@ -153,3 +153,24 @@ def test_a_full_profile_on_real_data_is_planned_on_a_fixture_in_that_format(tmp_
     assert pq.read_schema(folder / "images.parquet").field("pixels").type.list_size == 3 * 32 * 32
     digits, _, _ = planning.planning_data(registry.get("guda"), test, test, tmp_path / "test")
     assert pq.read_schema(digits / "images.parquet").field("pixels").type.list_size == 8 * 8
+
+
+def test_a_trace_that_needs_the_tables_values_is_retried_on_them(tmp_path):
+    """On fakes, a value computed from the data reads as zeros (a log of them fails a least-squares fit); the retry
+    keeps tensors made from tables real, and what is computed from them, so the trace reaches its phase."""
+    import types
+
+    import numpy as np
+
+    def train(ctx):
+        rows = torch.from_numpy(np.arange(1.0, 9.0)) * 2  # a column of the planning tables
+        slope, _ = np.polyfit(np.log(np.arange(1.0, 9.0)), np.log(rows.numpy()), 1)
+        model = torch.nn.Linear(4, int(round(slope)) + 1)
+        ctx.fit("fit", ctx.engine(model, 1e-3), lambda engine, b, step: (engine(b["x"]).sum(), {}),
+                lambda step: {"x": torch.randn(8, 4)}, 10)
+
+    paper, params = types.SimpleNamespace(train=train), _Params()
+    phases, stopped = planning._trace(paper, params, tmp_path, tmp_path, 20.0, real_data=False)
+    assert not phases and stopped  # NaN slope (or a failed fit) from the zeros
+    phases, stopped = planning._trace(paper, params, tmp_path, tmp_path, 20.0, real_data=True)
+    assert stopped == "" and [ph.name for ph in phases] == ["fit"] and phases[0].params == 4 * 2 + 2
