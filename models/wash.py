@@ -23,8 +23,13 @@ Deviations from the paper (choices the abstract left open):
   sets a per-token entropy the watermark can use; the quality measure is perplexity under the reference LM.
 - Green lists come from a splitmix64 hash of (key, context, token) ranked per context (exactly round(gamma V) green).
 - Scrubbing, paraphrase and naive averaging attack provider 1's text; every arm is scored by the maximum z over all
-  provider keys. Wall-clock timing and generated texts are cached in the run folder on the first evaluation, so a
-  re-evaluation of the same run reports the same measured numbers.
+  provider keys. Generated texts are cached in the run folder on the first evaluation.
+- Cost is counted work, not wall clock: LM forward passes per generated character (one per sequence row per call,
+  whatever its context length; the providers are the same size) [PASSES]. Scrubbing and paraphrase also pay for
+  provider 1's generation. The paper's speed claim is against LLM-scale paraphrasers; here the paraphraser is a
+  provider of the same size.
+- The 5%-FPR threshold comes from `reference_texts` unwatermarked texts of the reference LM (prompts cycled), more
+  than the arms' prompts, so the 95th percentile is not set by one or two texts.
 - The claim's constants (z threshold 4, TPR bound 0.5) are returned as `detail/paper/...` metrics for the claim.
 - Full: texts from a C4-style JSONL file (field "text"), lower-cased and mapped onto the alphabet [load_jsonl].
 """
@@ -33,7 +38,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 from typing import Literal
 
@@ -71,7 +75,10 @@ class Params(PaperParams):
     batch_size: int = Field(16, ge=1)
     lr: float = Field(3e-3, gt=0)
     prompts: int = Field(16, ge=2, description="Prompts per arm.")
-    gen_chars: int = Field(120, ge=8, description="Characters generated per prompt.")
+    gen_chars: int = Field(120, ge=8, description="Characters generated per prompt (= tokens of the character "
+                                                  "provider, whose z-score sees the most tokens).")
+    reference_texts: int = Field(16, ge=2, description="Unwatermarked reference texts (prompts cycled) whose max-z "
+                                                       "95th percentile is the 5%-FPR threshold.")
     scrub_rate: float = Field(0.3, ge=0, le=1, description="Share of words replaced by word substitution.")
     tv_contexts: int = Field(32, ge=1, description="Contexts of the TV-distance probe.")
 
@@ -213,8 +220,12 @@ def z_score(ids: list[int], wm: Watermark) -> float:
 
 
 # ---- generation --------------------------------------------------------------------------------------------------
+PASSES = {"rows": 0}  # counted work: LM forward passes, one per sequence row per call (any context length)
+
+
 def _logits_at(lm: TinyLM, seqs: list[list[int]], back: int, context: int) -> torch.Tensor:
     """Next-token logits at the last `back` positions of each sequence: (B, back, V); right-padded batch."""
+    PASSES["rows"] += len(seqs)
     win = [s[-context:] for s in seqs]
     t = max(len(w) for w in win)
     ids = torch.zeros(len(win), t, dtype=torch.long)
@@ -356,31 +367,32 @@ def _ppl(ref: Provider, prompts: list[str], texts: list[str]) -> float:
 
 
 def _generate_arms(ctx, p: Params, scheme: str, n: int) -> dict:
-    """Every arm's texts and wall-clock seconds (cached in the run folder: a re-evaluation reuses them)."""
+    """Every arm's texts and its counted work (LM forward passes per sequence), cached in the run folder."""
     cache = ctx.out_dir / f"generations_{scheme}_n{n}.json"
     if cache.exists():
         return json.loads(cache.read_text())
     provs, ref = _providers(ctx, p, scheme)
     prompts = list(read_table(ctx.data_dir / "prompts.parquet")["text"])
     g = torch.Generator().manual_seed(p.seed)
-    arms, secs = {}, {}
+    arms, passes = {}, {}
 
-    def timed(name, fn):
-        t0 = time.perf_counter()
+    def counted(name, fn):
+        start = PASSES["rows"]
         arms[name] = fn()
-        secs[name] = time.perf_counter() - t0
+        passes[name] = PASSES["rows"] - start
 
     for m, pr in enumerate(provs[:n]):
-        timed(f"single_p{m}", lambda pr=pr: generate_tokens(pr, prompts, p.gen_chars, g))
-    timed("reference", lambda: generate_tokens(ref, prompts, p.gen_chars, g))
-    timed("wash", lambda: generate_wash(provs[:n], prompts, p.gen_chars, g))
-    timed("naive_avg", lambda: generate_naive(provs[:n], prompts, p.gen_chars, g))
+        counted(f"single_p{m}", lambda pr=pr: generate_tokens(pr, prompts, p.gen_chars, g))
+    ref_prompts = [prompts[i % len(prompts)] for i in range(p.reference_texts)]
+    counted("reference", lambda: generate_tokens(ref, ref_prompts, p.gen_chars, g))
+    counted("wash", lambda: generate_wash(provs[:n], prompts, p.gen_chars, g))
+    counted("naive_avg", lambda: generate_naive(provs[:n], prompts, p.gen_chars, g))
     words = " ".join(read_table(ctx.data_dir / "corpus.parquet")["text"][:200]).replace(".", "").split()
-    timed("scrub", lambda: scrub(arms["single_p0"], words, p.scrub_rate, np.random.default_rng(p.seed)))
-    secs["scrub"] += secs["single_p0"]
-    timed("paraphrase", lambda: paraphrase(provs[1], prompts, arms["single_p0"], g))
-    secs["paraphrase"] += secs["single_p0"]
-    out = {"prompts": prompts, "arms": arms, "secs": secs}
+    counted("scrub", lambda: scrub(arms["single_p0"], words, p.scrub_rate, np.random.default_rng(p.seed)))
+    passes["scrub"] += passes["single_p0"]  # an attack on provider 1's text pays for generating it
+    counted("paraphrase", lambda: paraphrase(provs[1], prompts, arms["single_p0"], g))
+    passes["paraphrase"] += passes["single_p0"]
+    out = {"prompts": prompts, "ref_prompts": ref_prompts, "arms": arms, "passes": passes}
     cache.write_text(json.dumps(out))
     return out
 
@@ -410,9 +422,11 @@ def evaluate(ctx) -> dict[str, float]:
             stats = {}
             for a, texts in gen["arms"].items():
                 chars = sum(len(t) for t in texts)
+                prompts = gen["ref_prompts"] if a == "reference" else gen["prompts"]
                 stats[a] = {"mean_max_z": float(z[a].max(1).mean()), "share_z_below_2": float((z[a].max(1) < 2).mean()),
                             "tpr_at_5fpr": float((z[a].max(1) > thr).mean()),
-                            "ppl": _ppl(ref, gen["prompts"], texts), "time_per_char": gen["secs"][a] / max(chars, 1)}
+                            "ppl": _ppl(ref, prompts, texts), "passes_per_char": gen["passes"][a] / max(chars, 1),
+                            "p0_tokens": float(np.mean([len(provs[0].tok.encode(t)) for t in texts]))}
             singles = [f"single_p{k}" for k in range(n)]
             stats["single"] = {k: float(np.mean([stats[s][k] for s in singles])) for k in stats["wash"]}
             contexts = [t[: len(t) // 2] for t in read_table(ctx.data_dir / "corpus.parquet")["text"][: p.tv_contexts]]
@@ -423,8 +437,8 @@ def evaluate(ctx) -> dict[str, float]:
             for k in range(n):
                 m[f"{tag}baseline/single_p{k}/mean_z"] = float(z[f"single_p{k}"][:, k].mean())
             m[f"{tag}detail/quality_gain"] = 1 - stats["wash"]["ppl"] / stats["single"]["ppl"]
-            speed = stats["paraphrase"]["time_per_char"] / stats["wash"]["time_per_char"]
-            m[f"{tag}detail/speedup_vs_paraphrase"] = speed
+            speed = stats["paraphrase"]["passes_per_char"] / stats["wash"]["passes_per_char"]
+            m[f"{tag}detail/work_ratio_paraphrase_over_wash"] = speed
             m[f"{tag}detail/fpr_threshold_z"] = thr
             rows.append((scheme, n, z))
     _plot(ctx.plots_dir / "z_scores.png", rows[0][2], p.gamma)
@@ -459,13 +473,15 @@ PAPER = Paper(
     train=train,
     evaluate=evaluate,
     primary=("method/mean_max_z", "min"),
-    claim=Claim(all_of=(
-        *(Compare(f"baseline/single_p{k}/mean_z", ">", 4.0) for k in range(3)),
+    claim=Claim(premises=tuple(  # each provider's watermark is detectable alone: else there is nothing to attenuate
+        Compare(f"baseline/single_p{k}/mean_z", ">", 4.0, name=f"watermark_p{k}_detectable") for k in range(3)
+    ), all_of=(
         Compare("method/mean_max_z", "<", 4.0),
         Compare("method/tpr_at_5fpr", "<", 0.5),
         Compare("method/ppl", "<", "baseline/single/ppl"),
-        Compare("method/time_per_char", "<", "baseline/paraphrase/time_per_char"),
+        Compare("method/passes_per_char", "<", "baseline/paraphrase/passes_per_char"),
         Compare("method/tv", "<", "baseline/single/tv"),
     ), summary="each provider's watermark is detectable alone; the 3-model WASH hybrid falls below z = 4 and 50% "
-               "TPR@5%FPR, with lower perplexity, faster than paraphrasing, and closer (TV) to the clean average"),
+               "TPR@5%FPR, with lower perplexity, fewer LM forward passes per character than paraphrasing (counted "
+               "work, not wall clock), and closer (TV) to the clean average"),
 )

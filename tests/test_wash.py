@@ -102,3 +102,20 @@ def test_c4_jsonl_loader_on_a_fixture(tmp_path):
              {"text": "Second   doc. Ends here.", "url": "https://b"}]
     (tmp_path / "c4.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     assert wash.load_jsonl(tmp_path / "c4.jsonl") == ["the cat sat. it s o clock", "second doc. ends here."]
+
+
+def test_counted_work_per_arm():
+    """Counted work (LM forward passes, one per sequence row): WASH pays one pass per provider per character,
+    token-level sampling one pass per token, so a BPE provider pays fewer passes than characters."""
+    chars, prompts = 9, ["the cat.", "a dog.", "some bird."]
+    g = torch.Generator().manual_seed(0)
+    provs = [_provider(0, 1), _provider(12, 2), _provider(24, 3)]
+    start = wash.PASSES["rows"]
+    wash.generate_wash(provs, prompts, chars, g)
+    assert wash.PASSES["rows"] - start == chars * len(provs) * len(prompts)
+    start = wash.PASSES["rows"]
+    outs = wash.generate_tokens(provs[0], prompts, chars, g)  # characters: one token per character
+    assert wash.PASSES["rows"] - start == chars * len(prompts) and all(len(o) == chars for o in outs)
+    start = wash.PASSES["rows"]
+    wash.generate_tokens(provs[2], prompts, chars, g)
+    assert wash.PASSES["rows"] - start <= chars * len(prompts)
