@@ -22,7 +22,9 @@ What it implements (function names in brackets):
   high-resolution test frames; "VTC" analogue = accuracy of a pipeline-trained video classifier at recognising the
   conditioning class in generated videos (both classifiers train through DeepSpeed with the base model)
   [FrameNet, VideoNet]; speed: wall-clock per denoiser forward, T3 vs full, on a larger timing grid (weights reused,
-  measured once per run and cached beside the checkpoint so evaluate stays deterministic) [denoiser_timing];
+  `timing_repeats` interleaved pairs whose ratios are the timed claim part's samples, measured once per run and
+  cached beside the checkpoint so evaluate stays deterministic) [denoiser_timing]; class consistency of the
+  pretrained DiT itself (its low-resolution samples upsampled: the cascade's videos) as a premise;
   attention FLOPs per layer counted analytically for a 2176x3840, 16-frame grid (VAE stride 8, patch 2) [flops].
 
 Deviations from the paper (choices the abstract left open):
@@ -58,6 +60,7 @@ from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
 
 CLASSES = ("circle", "square", "triangle", "cross")
+PRETRAINED_FRACTION = 0.75  # premise: the pretrained DiT's class consistency, as a share of the real videos'
 GRID_4K = (16, 2176 // 16, 3840 // 16)  # frames, 4K height / (VAE stride 8 * patch 2), width / 16
 
 
@@ -94,7 +97,8 @@ class Params(PaperParams):
     label_dropout: float = Field(0.1, ge=0, lt=1, description="Training labels replaced by 'no class' (guidance).")
     cfg_scale: float = Field(3.0, ge=1, description="Classifier-free guidance weight w at sampling (1: none).")
     timing_size: int = Field(128, ge=8, description="Frame side in px of the timing grid.")
-    timing_repeats: int = Field(3, ge=1, description="Timed denoiser forwards per mode (median).")
+    timing_repeats: int = Field(5, ge=5, description="Timed denoiser forwards per mode (paired samples of the "
+                                                   "timed speed-up part; 5 at least).")
 
 
 # ---- data ----------------------------------------------------------------------------------------------------
@@ -417,23 +421,24 @@ def flops(grid: tuple[int, int, int], p: Params, attn: str) -> list[float]:
     return [4 * x * p.width for x in pairs]
 
 
-def denoiser_timing(model: DiT, p: Params) -> dict[str, float]:
-    """Fastest of `timing_repeats` denoiser forwards on the timing grid, full vs T3 (same weights). Timed on one
-    thread and as the minimum: on a shared machine other processes' load inflates multi-threaded runs unevenly."""
+def denoiser_timing(model: DiT, p: Params) -> dict[str, list[float]]:
+    """`timing_repeats` denoiser forwards per mode on the timing grid, full vs T3 (same weights), interleaved (full,
+    T3, full, T3, ...) so that repeat i of both modes sees about the same machine load; repeat i's ratio is one
+    paired sample of the timed claim part. Timed on one thread: on a shared machine other processes' load inflates
+    multi-threaded runs unevenly."""
     g = torch.Generator().manual_seed(p.seed)
     x = torch.randn(1, p.n_frames, 3, p.timing_size, p.timing_size, generator=g)
     t, c = torch.full((1,), 0.5), torch.zeros(1, dtype=torch.long)
-    out, threads = {}, torch.get_num_threads()
+    out, threads = {"full": [], "t3": []}, torch.get_num_threads()
     torch.set_num_threads(1)
     with torch.no_grad():
-        for mode in ("full", "t3"):
+        for mode in out:
             model(x, t, c, mode)  # warm-up (group tables are cached)
-            times = []
-            for _ in range(p.timing_repeats):
+        for _ in range(p.timing_repeats):
+            for mode in out:
                 t0 = time.perf_counter()
                 model(x, t, c, mode)
-                times.append(time.perf_counter() - t0)
-            out[mode] = min(times)
+                out[mode].append(time.perf_counter() - t0)
     torch.set_num_threads(threads)
     return out
 
@@ -467,6 +472,7 @@ def evaluate(ctx) -> dict[str, float]:
         mode = RETROFITS.get(arm, "t3" if arm == "t3_zero_shot" else "full")
         ratio = sum(flops(grid, p, "full")) / sum(flops(grid, p, mode))
         m[prefix + "flops_speedup"] = ratio if arm != "cascade" else 4.0 ** 2  # cascade: attention at N/4 tokens
+    m["detail/pretrained/vtc"] = m["baseline/cascade/vtc"]  # the pretrained DiT's own videos, upsampled
     m["detail/real_vtc"] = float((pre.video(real).argmax(-1) == cls[torch.from_numpy(split == "test")])
                                  .float().mean())
     # wall clock: measured once per run and kept beside its checkpoint (re-evaluating gives the same numbers)
@@ -474,8 +480,10 @@ def evaluate(ctx) -> dict[str, float]:
     if not cache.exists():
         cache.write_text(json.dumps(denoiser_timing(retro.arms["t3"], p)))
     timing = json.loads(cache.read_text())
-    m["detail/timing/full_ms"], m["detail/timing/t3_ms"] = 1e3 * timing["full"], 1e3 * timing["t3"]
-    m["method/speedup_measured"] = timing["full"] / timing["t3"]
+    m["detail/timing/full_ms"], m["detail/timing/t3_ms"] = 1e3 * min(timing["full"]), 1e3 * min(timing["t3"])
+    ratios = [a / b for a, b in zip(timing["full"], timing["t3"], strict=True)]
+    m["method/speedup_measured"] = float(np.median(ratios))
+    m |= {f"method/speedup_measured/k{i}": r for i, r in enumerate(ratios)}  # paired samples of the timed part
     full4k, t34k, win4k = (flops(GRID_4K, p, a) for a in ("full", "t3", "window"))
     m["method/flops_speedup_4k"] = sum(full4k) / sum(t34k)
     m["baseline/window/flops_speedup_4k"] = sum(full4k) / sum(win4k)
@@ -543,15 +551,26 @@ PAPER = Paper(
     train=train,
     evaluate=evaluate,
     primary=("method/fd", "min"),
-    claim=Claim(all_of=(
-        Compare("method/fd", "<", "baseline/window/fd"),
-        Compare("method/fd", "<", "baseline/cascade/fd"),
-        Compare("method/fd", "<=", "baseline/full_ft/fd", scale=1.1),
-        Compare("method/vtc", ">=", "baseline/full_zero_shot/vtc"),
-        Compare("method/speedup_measured", ">=", 2.0),
-    ), context=(  # an analytic FLOP count: shown, not evidence (issue 22)
-        Compare("method/flops_speedup_4k", ">=", 10.0),
-    ), summary="the T3 retrofit beats the local-window retrofit and the cascade in FD, stays within 10% of fine-tuned "
-               "full attention, keeps class consistency of zero-shot full attention, is >= 2x faster per forward on "
-               "the timing grid and >= 10x cheaper in attention FLOPs at 4K"),
+    claim=Claim(
+        premises=(  # the judges recognise real videos, and the pretrained DiT makes class-consistent videos (its
+            # low-resolution samples, upsampled, judged by the video classifier) at >= 3/4 of the real videos' rate
+            Compare("detail/real_vtc", ">=", 0.8, name="video_classifier_recognises_real"),
+            Compare("detail/pretrained/vtc", ">=", "detail/real_vtc", scale=PRETRAINED_FRACTION,
+                    name="pretrained_dit_class_consistent"),
+        ),
+        all_of=(
+            Compare("method/fd", "<", "baseline/window/fd"),
+            Compare("method/fd", "<", "baseline/cascade/fd"),
+            Compare("method/fd", "<=", "baseline/full_ft/fd", scale=1.1),
+            Compare("method/vtc", ">=", "baseline/full_zero_shot/vtc"),
+            Compare("method/speedup_measured", ">=", 2.0, timed=True),
+        ),
+        context=(  # an analytic FLOP count: shown, not evidence (issue 22)
+            Compare("method/flops_speedup_4k", ">=", 10.0),
+        ),
+        summary="the T3 retrofit beats the local-window retrofit and the cascade in FD, stays within 10% of "
+                "fine-tuned full attention, keeps class consistency of zero-shot full attention, and is >= 2x faster "
+                "per forward on the timing grid (wall clock, paired repeats); >= 10x cheaper in attention FLOPs at 4K "
+                "is an analytic count (context). At smoke depth 2 only the first two of the four block shapes "
+                "((1, -1, -1) and (-1, -1, 2)) are exercised; the 4K count cycles all four"),
 )
