@@ -137,3 +137,19 @@ def test_every_estimator_uses_the_same_k_scoring_pairs(monkeypatch):
     assert set(scores) == set(guda.METHODS) and all(s.shape == (2, 3) for s in scores.values())
     assert {kind for kind, _, _ in seen} == {"elbo", "loss"}
     assert all(t == d["t"].tolist() and eps is d["eps"] for _, t, eps in seen)
+
+
+def test_premise_metrics_read_recognisability_and_logo_class_agreement():
+    class Stub(torch.nn.Module):  # "classifies" by the mean pixel: sample i -> logits peaked at class i % 3
+        def forward(self, x):
+            cls = x.flatten(1).mean(1).round().long()
+            return 10.0 * torch.nn.functional.one_hot(cls, 3).float()
+
+    gen = torch.arange(4.0).remainder(3)[:, None, None, None].expand(4, 1, 8, 8).clone()  # classes 0, 1, 2, 0
+    d = {"x": gen.clone(), "group": torch.tensor([0, 1, 2, 0])}
+    logo = np.eye(3)[[0, 1, 0, 0]]  # LOGO argmax 0, 1, 0, 0: the class matches for samples 0, 1, 3
+    m = guda.premise_metrics(Stub(), gen, d, logo, 3)
+    assert m["detail/classifier_train_acc"] == 1.0 and m["detail/generated_recognisable"] == 1.0
+    assert m["detail/logo_matches_class"] == 0.75 and np.isclose(m["detail/chance_top1"], 1 / 3)
+    flat = guda.premise_metrics(lambda x: torch.zeros(len(x), 3), gen, d, logo, 3)  # uniform: nothing recognisable
+    assert flat["detail/generated_recognisable"] == 0.0
