@@ -137,3 +137,21 @@ def test_amass_loader_on_tiny_fixtures(tmp_path):
     mm.prepare(p, tmp_path)
     d = mm.load_data(tmp_path)
     assert d["x"].shape == (6, 8, 12) and d["c"].shape == (6, 8, 18)
+
+
+def test_vqvae_loss_weights_the_root_trajectory():
+    """root_weight scales the root's 3 features against each joint coordinate; the weights average to 1, so an error
+    on the root costs root_weight times an equal error on a joint coordinate."""
+    p = tiny().model_copy(update={"root_weight": 8.0})
+    vq = mm.VQVAE(9, p, p.scales).eval()
+    assert torch.allclose(vq.weight.mean(), torch.tensor(1.0))
+    assert torch.allclose(vq.weight[:3] / vq.weight[3:].mean(), torch.tensor(8.0))
+    x = torch.zeros(1, 16, 9)
+    costs = []
+    for feature in (0, 3):  # the same constant error on a root coordinate, then on a joint coordinate
+        rec = torch.zeros(1, 16, 9)
+        rec[..., feature] = 1.0
+        vq.decode = lambda f, r=rec: r
+        with torch.no_grad():
+            costs.append(float(vq.loss(x)) - float(vq.quant(vq.encode(x))[2]))  # minus the commitment term
+    assert abs(costs[0] / costs[1] - 8.0) < 1e-4
