@@ -20,8 +20,10 @@ What it implements (function names in brackets):
   x0^(2)[f]; at step k, e_k = blur(D_phys - D(x0_hat^k)) (spatial Gaussian, sigma 1.5) and x0_hat^k[f] += lambda_k
   sum_{j<f} e_k[j] (frame 0 untouched), lambda_k decaying linearly from 1 to 0 over the first 60% of the steps
   [phaselock_hook, gaussian_blur, lambda_schedule];
-- external physics guidance (baseline): at every step a gradient step on x0_hat against the residual of a
-  least-squares ballistic fit (x linear, y quadratic in time) to the soft centroid trajectory [ballistic_hook];
+- external physics guidance (baseline): at every step the residual of a least-squares ballistic fit (x linear, y
+  quadratic in time) to the soft centroid trajectory of x0_hat(x_t) is differentiated w.r.t. x_t through the U-Net
+  (a backward pass per step, as guidance through the model does), and x0_hat takes a normalised step down it
+  [ballistic_guide, sample(guide=)];
 - metrics: physical consistency PC = 100 x fraction of videos whose centroid RMSE to the true trajectory is at most
   `pc_threshold` px; Frechet distance of frame-autoencoder features and a sharpness ratio (gradient energy vs real);
   cost ratios against the 50-step run as counted FLOPs (torch's FlopCounterMode) and extra stored floats
@@ -32,8 +34,8 @@ Deviations from the paper (choices the abstract and spec left open):
   counted by torch.utils.flop_counter (convolutions and matmuls: the network and the blur), not wall-clock: the
   pipeline's metrics must be deterministic. Memory is reported as the floats PhaseLock keeps beside the run
   (the prior's deltas) relative to the network's parameters and one video.
-- External guidance differentiates the residual w.r.t. x0_hat only (the spec's form), so it does not backpropagate
-  through the network and costs little here; the paper's ~5x comes from guidance through the model.
+- External guidance backpropagates through the network (the paper's reference, not the spec's x0_hat-only form,
+  which is kept as `ballistic_hook`); its counted FLOPs include the backward passes.
 - x0_hat is clipped to [-1, 1] at every DDIM step (diffusers' clip_sample): the cosine schedule's first step
   divides by sqrt(alpha_bar) ~ 1e-4. The FFTs take intensities in [0, 1] (background 0). PC skips frame 0 (the
   conditioning image, whose trail moves its centroid).
@@ -60,6 +62,7 @@ from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
 
 TRAIN_STEPS = 1000  # DDPM timesteps of the cosine schedule
+PC_FLOOR = 10.0  # premise: the 50-step run's PC (0-100) at least this, so PC can register a change
 
 
 class Params(PaperParams):
@@ -288,24 +291,42 @@ def ddim_scheduler(num_steps: int):
 
 @torch.no_grad()
 def sample(unet: nn.Module, cond: torch.Tensor, noise: torch.Tensor, num_steps: int, hook=None,
-           record: list | None = None) -> torch.Tensor:
+           record: list | None = None, guide=None) -> torch.Tensor:
     """Deterministic DDIM (eta 0) through diffusers' scheduler. x0_hat is clipped to the data range [-1, 1]
     (diffusers' clip_sample; 1 / sqrt(alpha_bar) reaches ~1e4 at the cosine schedule's first step); `hook(k,
-    x0_hat)` may change it at step k; the update then uses it and the epsilon recomputed from it."""
+    x0_hat)` may change it at step k; the update then uses it and the epsilon recomputed from it. `guide(k, x_t,
+    x0_hat, grad)` is external guidance through the network: x0_hat is computed with autograd on x_t, and the
+    guide gets the function grad(loss) -> d loss / d x_t (a backward pass through the U-Net) [ballistic_guide]."""
     sched = ddim_scheduler(num_steps)
     ab_all = sched.alphas_cumprod.float()
     x = noise
+    frozen = {q: q.requires_grad for q in unet.parameters()}
+    for q in unet.parameters():  # guidance differentiates w.r.t. x_t only: no parameter gradients
+        q.requires_grad_(False)
     for k, t in enumerate(sched.timesteps):
         ab = ab_all[int(t)]
-        eps = unet(x, torch.full((x.shape[0],), int(t)), cond)  # (B, T, 1, S, S)
-        x0 = ((x - (1 - ab).sqrt() * eps) / ab.sqrt()).clamp(-1, 1)  # clip_sample, as diffusers' default
+        with torch.set_grad_enabled(guide is not None):
+            x_in = x.detach().requires_grad_(guide is not None)
+            eps = unet(x_in, torch.full((x.shape[0],), int(t)), cond)  # (B, T, 1, S, S)
+            x0 = ((x_in - (1 - ab).sqrt() * eps) / ab.sqrt()).clamp(-1, 1)  # clip_sample, as diffusers' default
+            if guide is not None:
+                x0 = guide(k, x0, lambda loss, x_in=x_in: _input_grad(loss, x_in))
+        x0 = x0.detach()
         if hook is not None:
             x0 = hook(k, x0)
         eps = (x - ab.sqrt() * x0) / (1 - ab).sqrt()
         if record is not None:
             record.append(x0)
         x = sched.step(eps, int(t), x).prev_sample
+    for q, flag in frozen.items():
+        q.requires_grad_(flag)
     return x
+
+
+def _input_grad(loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """d loss / d x by a backward pass (torch.autograd.grad trips FlopCounterMode's module tracker)."""
+    loss.backward()
+    return x.grad
 
 
 def gaussian_blur(x: torch.Tensor, sigma: float) -> torch.Tensor:
@@ -361,8 +382,10 @@ def ballistic_residual(c: torch.Tensor) -> torch.Tensor:
 
 
 def ballistic_hook(scale: float):
-    """External physics guidance: a normalised gradient step on x0_hat down the ballistic-fit residual of its
-    centroid trajectory (frames 1.. ; frame 0 is the conditioning image with its trail)."""
+    """The spec's cheap form of external guidance: a normalised gradient step on x0_hat down the ballistic-fit
+    residual of its centroid trajectory (frames 1..; frame 0 is the conditioning image with its trail), the
+    gradient taken w.r.t. x0_hat only (no pass through the network). Kept for tests; the claim's arm is
+    `ballistic_guide`."""
 
     def hook(k: int, x0: torch.Tensor) -> torch.Tensor:
         with torch.enable_grad():
@@ -372,6 +395,18 @@ def ballistic_hook(scale: float):
         return x0 - scale * g / g.abs().amax((1, 2, 3, 4), keepdim=True).clamp(min=1e-8)
 
     return hook
+
+
+def ballistic_guide(scale: float):
+    """External physics guidance as the paper describes it (universal / DPS-style guidance): the ballistic-fit
+    residual of x0_hat(x_t)'s centroid trajectory is differentiated w.r.t. x_t through the U-Net (one backward
+    pass per step), and x0_hat moves by a normalised step along that gradient."""
+
+    def guide(k: int, x0: torch.Tensor, grad) -> torch.Tensor:
+        g = grad(ballistic_residual(soft_centroids(x0)[:, 1:]).sum())  # (B, T, 1, S, S) d residual / d x_t
+        return x0.detach() - scale * g / g.abs().amax((1, 2, 3, 4), keepdim=True).clamp(min=1e-8)
+
+    return guide
 
 
 # ---- evaluation ----------------------------------------------------------------------------------------------
@@ -412,11 +447,12 @@ def evaluate(ctx) -> dict[str, float]:
     noise = torch.randn(gt.shape, generator=torch.Generator().manual_seed(p.seed + 17))
     unet = model.unet
 
-    def run(steps: int, hook_of=None, record=None) -> tuple[torch.Tensor, int]:
-        """Sample every evaluation video; FLOPs counted over the whole run (the prior and the guidance included)."""
+    def run(steps: int, hook_of=None, record=None, guide=None) -> tuple[torch.Tensor, int]:
+        """Sample every evaluation video; FLOPs counted over the whole run (the prior, the guidance and its
+        backward passes included)."""
         with FlopCounterMode(display=False) as counter:
             hook = hook_of() if hook_of else None
-            video = sample(unet, cond, noise, steps, hook, record)
+            video = sample(unet, cond, noise, steps, hook, record, guide)
         return video, counter.get_total_flops()
 
     trajectory: list[torch.Tensor] = []
@@ -425,7 +461,7 @@ def evaluate(ctx) -> dict[str, float]:
     videos["ddim50"], flops["ddim50"] = run(p.full_steps, record=trajectory)
     videos["phaselock"], flops["phaselock"] = run(p.full_steps, lambda: phaselock_hook(
         sample(unet, cond, noise, p.prior_steps), p.full_steps, p.lock_fraction, p.lock_sigma))
-    videos["external"], flops["external"] = run(p.full_steps, lambda: ballistic_hook(p.ext_scale))
+    videos["external"], flops["external"] = run(p.full_steps, guide=ballistic_guide(p.ext_scale))
 
     real_frames = d["x"][d["test"]].flatten(0, 1)
     real_feat = model.ae.enc(real_frames).numpy()
@@ -520,12 +556,17 @@ PAPER = Paper(
     train=train,
     evaluate=evaluate,
     primary=("method/pc", "max"),
-    claim=Claim(all_of=(
-        Compare("baseline/ddim2/phase_sim", ">", "baseline/ddim50/phase_sim"),
+    claim=Claim(premises=(  # the model generates physics PC can see, and the phase erosion the paper explains
+        Compare("baseline/ddim50/pc", ">=", PC_FLOOR, name="ddim50_pc_off_the_floor"),
+        Compare("baseline/ddim2/phase_sim", ">", "baseline/ddim50/phase_sim", name="phase_drop_2_to_50_steps"),
+    ), all_of=(
         Compare("baseline/ddim2/pc", ">", "baseline/ddim50/pc"),
         Compare("method/pc", ">", "baseline/ddim50/pc"),
         Compare("method/fd", "<=", "baseline/ddim50/fd", scale=1.1),
         Compare("method/time_ratio", "<=", 1.15),
-    ), summary="the 2-step run keeps more phase and physics than the 50-step one (the premise); PhaseLock raises "
-               "physical consistency over 50-step DDIM with FD within 10% and at most 1.15x the compute"),
+    ), context=(  # counted FLOPs: external guidance pays a backward pass through the U-Net at every step
+        Compare("baseline/external/time_ratio", ">", "method/time_ratio"),
+    ), summary="the 2-step run keeps more physics than the 50-step one; PhaseLock raises physical consistency over "
+               "50-step DDIM with FD within 10% and at most 1.15x the compute (premises: 50-step PC off the floor, "
+               "the phase drop from 2 to 50 steps)"),
 )
