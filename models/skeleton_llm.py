@@ -14,7 +14,8 @@ What it implements (function names in brackets):
   (rationale then answer, the teacher is the generator's program [TEXT]), Discriminative Finetuning: softmax CE over
   the sequence log-likelihoods of the label and its confusion partner [dft_loss];
 - baselines: feature-vector alignment (temporal conv -> 4 prefix tokens) [FeatureArm], discrete motion tokens
-  (VQ-VAE, 64 codes appended to the vocabulary) [VQArm]; ablations frozen renderer, no CRD, no DFT;
+  (VQ-VAE, 64 codes appended to the vocabulary) [VQArm], both reading the joints aligned by name across formats
+  [by_name], so that they can transfer across formats at all; ablations frozen renderer, no CRD, no DFT;
 - metrics: recognition top-1, cross-format accuracy (train on A, zero-shot on B and C), confusable-pair accuracy,
   captioning BLEU-4 [bleu4], reasoning accuracy (generated rationale statements that match the facts) [reasoning].
 - loaders for real data (full profile): NTU RGB+D `.skeleton` [load_ntu_skeleton], Kinetics-skeleton JSON
@@ -403,7 +404,7 @@ class VisualArm(nn.Module):
 
 
 class FeatureArm(nn.Module):
-    """Feature-vector alignment: temporal convolutions over zero-padded joints -> 4 prefix tokens."""
+    """Feature-vector alignment: temporal convolutions over the joints in their name slots -> 4 prefix tokens."""
 
     def __init__(self, p: Params, vocab: int, max_len: int, in_dim: int):
         super().__init__()
@@ -463,6 +464,18 @@ def _encode(vocab: WordVocab, texts: list[str], max_len: int) -> tuple[torch.Ten
     return ids, ((colon > 0) & (ids != 0)).float()
 
 
+# the feature and VQ baselines' input: one slot per joint name over all formats, so a joint sits in the same slot
+# in every format (a slot the format lacks is zero) and what a baseline learns on A can transfer to B and C
+JOINT_SLOTS = list(dict.fromkeys(name for joints in FORMATS.values() for name, _ in joints))
+
+
+def by_name(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """(N, T, J, 3) joints of format `fmt` -> (N, T, len(JOINT_SLOTS) * 3), each joint in its name's slot."""
+    out = x.new_zeros(*x.shape[:2], len(JOINT_SLOTS), 3)
+    out[:, :, [JOINT_SLOTS.index(name) for name, _ in FORMATS[fmt]]] = x
+    return out.flatten(2)
+
+
 def load(data_dir: Path, p: Params) -> dict:
     sk, tx, dr = (read_table(data_dir / f"{n}.parquet") for n in ("skeletons", "text", "drawings"))
     d = {"joints": {}, "fmt": {}}
@@ -475,8 +488,8 @@ def load(data_dir: Path, p: Params) -> dict:
         if "split" not in d:
             d["split"] = sk["split"][sel][:: p.frames * n_j]
             labels = sk["action"][sel][:: p.frames * n_j]
-    d["pad"] = max(len(j) for j in FORMATS.values()) * 3
-    d["poses"] = {f: F.pad(normalise(x).flatten(2), (0, d["pad"] - x.shape[2] * 3)) for f, x in d["joints"].items()}
+    d["pad"] = len(JOINT_SLOTS) * 3
+    d["poses"] = {f: by_name(normalise(x), f) for f, x in d["joints"].items()}
     tasks = {t: tx["task"] == t for t in ("recognise", "caption", "reason")}
     seq = lambda t, c: list(tx[c][tasks[t]])  # noqa: E731
     rec = [f"what action : {a} <eos>" for a in seq("recognise", "answer")]

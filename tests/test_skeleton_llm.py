@@ -190,3 +190,22 @@ def test_prepare_real_source_reads_the_loader(tmp_path):
     d = sk.load(tmp_path, p)
     assert list(d["joints"]) == ["K"] and d["joints"]["K"].shape == (4, 4, 18, 3)
     assert d["classes"] == [f"class {a}" for a in (1, 2, 3, 4)] and list(d["split"]) == ["train"] * 2 + ["test"] * 2
+
+
+def test_baselines_read_each_joint_in_the_same_slot_in_every_format():
+    """The feature and VQ baselines get joints aligned by name (issue 24): the same body in formats A, B and C puts
+    a shared joint's coordinates in the same slot, and no other slot differs between formats except the ones a
+    format lacks (zero there)."""
+    from models.skeleton_llm import FORMATS, JOINT_SLOTS, by_name
+
+    names = {n for joints in FORMATS.values() for n, _ in joints}
+    coords = {n: torch.randn(3, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(sorted(names))}
+    slots = {}
+    for fmt in "ABC":
+        x = torch.stack([coords[n] for n, _ in FORMATS[fmt]]).expand(1, 2, -1, -1)  # (N=1, T=2, J, 3)
+        slots[fmt] = by_name(x, fmt).view(1, 2, len(JOINT_SLOTS), 3)
+    for fmt in "ABC":
+        present = {n for n, _ in FORMATS[fmt]}
+        for k, name in enumerate(JOINT_SLOTS):
+            expected = coords[name] if name in present else torch.zeros(3)
+            assert torch.equal(slots[fmt][0, 1, k], expected), (fmt, name)
