@@ -47,6 +47,7 @@ from models.contract import Claim, Compare, Paper, PaperParams
 TEXTURES = ("stripes", "checker")
 SPRITE = 10
 A_DIM = 4
+PROBE_BAR = 0.5  # premise: the probe's R^2 of (dx, dy) from a model's inferred actions
 
 
 class Params(PaperParams):
@@ -469,7 +470,10 @@ PAPER = Paper(
     train=train,
     evaluate=evaluate,
     primary=("method/transfer_acc", "max"),
-    claim=Claim(all_of=(
+    claim=Claim(premises=(  # the latent actions carry the motion (a linear probe reads (dx, dy) from them)
+        Compare("method/probe_r2", ">", PROBE_BAR, name="dila_actions_read_motion"),
+        Compare("baseline/lam_cont/probe_r2", ">", PROBE_BAR, name="lam_cont_actions_read_motion"),
+    ), all_of=(
         Compare("method/transfer_acc", ">", "baseline/lam_cont/transfer_acc"),
         Compare("method/psnr", ">=", "baseline/lam_cont/psnr", margin=-0.5),
     ), summary="at the same beta, DiLA transfers actions better than the continuous LAM without losing more than "
