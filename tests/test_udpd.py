@@ -81,3 +81,14 @@ def test_prepare_injects_both_noise_sources(tmp_path):
     split = nodes["split"]
     assert (split == "train").sum() == 30 and (split == "val").sum() == 30
     assert np.isfinite(nodes["struct_pe"]).all()
+
+
+def test_checkpoint_selection_uses_validation_and_ignores_stale_snapshots(tmp_path):
+    chosen = udpd.select_on_validation({"a": [0.2, 0.6, 0.4], "b": [0.5, 0.3, 0.5], "c": [0.1]})
+    assert chosen == {"a": 1, "b": 2, "c": 0}  # best validation accuracy; the latest among ties
+    (tmp_path / "snapshots").mkdir()
+    for step in (25, 50, 60, 150, 175):  # 60: another select_every; 150, 175: not before the final step
+        (tmp_path / "snapshots" / f"step{step:06d}.pt").touch()
+    ctx = type("Ctx", (), {"out_dir": tmp_path})()
+    cands = udpd._candidates(ctx, _params(steps=150, select_every=25))
+    assert [s for s, _ in cands] == [25, 50, 150] and cands[-1][1] == tmp_path / "model.pt"
