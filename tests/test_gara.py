@@ -82,6 +82,10 @@ def test_zero_shot_split_and_query_views(tmp_path):
     prompt = "".join(gara.ALPHABET[i] for i in item["prompt"])
     assert prompt.startswith(qb.text[q]) and prompt.endswith("?") and f"({gara.LETTERS[item['answer']]})" in prompt
     assert len(item["graph_text"]) <= p.text_chars
+    # test_queries = 0 (every profile's setting) scores every node of every zero-shot graph
+    n_test = int(graphs["n_nodes"][graphs["split"] == "test"].sum())
+    assert len(qb.where("test")) == n_test
+    assert sum(len(qb.where("test", f)) for f in set(graphs["family"][graphs["split"] == "test"])) == n_test
 
 
 def test_folder_loader_on_a_ten_node_fixture(tmp_path):
