@@ -24,6 +24,9 @@ Deviations from the paper (choices the abstract left open):
 - Action transfer applies A's inferred action to B's frame: for DiLA through B's structure map and content, for the
   LAMs through D(o_B, a). Planning: CEM (64 candidates, 4 iterations, 8 elites) over 3 latent actions minimising
   pixel MSE of the final generated frame to the goal frame; the discrete LAM's candidates snap to the nearest code.
+- Smoke runs a smaller world (16x16 frames, so the sprite's move is a larger share of the frame) with KL weight
+  1e-3 and learning rate 3e-3: at 32x32 and beta 0.1 (a KL nat costs more than the move saves in per-pixel MSE)
+  the latent actions of every model stayed uninformative within the budget (the probe premises failed).
 - Full: BridgeData V2 is not loaded yet (no loader in this module); the full profile runs the synthetic world at
   larger width, more data and the beta sweep.
 """
