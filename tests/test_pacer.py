@@ -171,3 +171,34 @@ def test_timing_blocks_split_the_clock_into_five_paired_samples():
     timed = [c for c in pacer.PAPER.claim.all_of if c.timed]
     assert [c.left for c in timed] == ["method/time_s"]
     assert [c.name for c in pacer.PAPER.claim.premises] == ["search_reaches_exact_optimum"]
+
+
+def test_warmup_is_uniform_over_orderings_and_leaves_theta_alone():
+    rng = np.random.default_rng(4)
+    _, _, m, n, keep = _regimes(rng)
+    model = pacer.Pacer(4, {"M": m.numpy(), "n": n.numpy(), "keep": keep.numpy()}, edge_penalty=1.0)
+    with torch.no_grad():
+        model.theta.copy_(torch.tensor([9.0, 3.0, -3.0, -9.0]))  # a near-deterministic ordering 0 < 1 < 2 < 3
+    gumbel = -torch.log(-torch.log(torch.rand(4000, 4, generator=torch.Generator().manual_seed(0))))
+    loss, _ = model.loss(gumbel[:16], explore=True)
+    loss.backward()
+    assert torch.equal(model.theta.grad, torch.zeros(4)) and model.w.grad.abs().sum() > 0
+    # at infinite temperature the reversed pair (3 before 0) is as likely as the learned one
+    position = pacer.sample_orderings(torch.zeros(4), gumbel)[1]
+    assert abs(float((position[:, 3] < position[:, 0]).float().mean()) - 0.5) < 0.03
+    model.zero_grad()
+    with torch.no_grad():
+        model.theta.zero_()  # orderings vary, and with nonzero W so do their objectives and advantages
+        model.w.copy_(torch.tensor(rng.standard_normal((4, 4))))
+    model.loss(gumbel[:16])[0].backward()
+    assert model.theta.grad.abs().sum() > 0  # after the warm-up the score-function term trains theta
+
+
+def test_known_edges_and_non_edges_are_fixed():
+    moments = {"M": np.eye(3)[None], "n": np.array([10.0]), "keep": np.ones((1, 3))}
+    model = pacer.Pacer(3, moments, 1.0, known=((0, 1, True), (1, 2, False)))
+    position = torch.tensor([[0, 1, 2], [2, 1, 0]])  # 0 < 1 < 2, and the reverse
+    p = pacer.edge_probs(model.phi, position)
+    assert p[0, 0, 1] > 1 - 1e-6 and p[0, 1, 2] < 1e-9 and p[1, 0, 1] == 0  # the ordering still rules
+    model.objective(position).sum().backward()
+    assert model.phi_free.grad[0, 1] == 0 and model.phi_free.grad[1, 2] == 0 and model.phi_free.grad[0, 2] != 0
