@@ -127,3 +127,26 @@ def test_jsonl_loaders_on_fixtures(tmp_path):
     ev, ext = ss.load_jsonl_suites(tmp_path / "eval.jsonl", tmp_path / "ext.jsonl")
     assert ev["prompt"] == ["12>3;45>9;7>"] and ev["difficulty"] == [1]  # the two-char answer is skipped
     assert ext["family_id"] == ["enig1"] and ext["pool"] == ["external_only"]
+
+
+def test_grpo_raises_the_rewarded_answer_and_kl_holds_it_near_the_reference():
+    """A one-token bandit: answer 3 is rewarded. GRPO steps raise its probability; a larger KL weight keeps the
+    policy closer to the reference (the SFT policy)."""
+    def run(kl: float) -> tuple[float, float]:
+        torch.manual_seed(0)
+        logits = torch.zeros(4, 1, 6, requires_grad=True)  # (B, A, V)
+        ref = torch.zeros(4, 1, 6)
+        opt = torch.optim.SGD([logits], lr=0.5)
+        for _ in range(30):
+            samples = torch.multinomial(logits.detach().softmax(-1).reshape(4, 6), 8, True).reshape(4, 1, 8)
+            rewards = (samples == 3).float()
+            loss, kl_term = ss.grpo_loss(logits, ref, samples, rewards, kl)
+            opt.zero_grad()
+            loss.sum().backward()
+            opt.step()
+        return float(logits.softmax(-1)[..., 3].mean()), float(kl_term.sum())
+
+    p_free, kl_free = run(0.0)
+    p_tied, kl_tied = run(1.0)
+    assert p_free > 0.5 and p_tied > 1 / 6
+    assert kl_tied < kl_free
