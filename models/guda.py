@@ -27,8 +27,11 @@ Deviations from the paper (choices the spec left open):
   so a batch holds fewer examples for them; this removes initialisation noise from the ground truth.
 - Fair arms: every estimator (GUDA's and LOGO's ELBO, the gradient baseline's per-example loss, the instance
   baseline's ascent loss and its training-example loss) uses the same K scoring pairs [attribution_scores]. The
-  gradient and instance baselines are evaluate-time computations with torch.func, not trained nets; they score the
-  spec's 100 training images per group, not the whole training set.
+  gradient and instance baselines are evaluate-time computations with torch.func, not trained nets; they score
+  `per_group_baseline` training images per group (the spec's 100), not the whole training set. The instance
+  baseline's cost grows with K x images per group x generated samples (a training-set loss after every sample's
+  ascent), so the smoke profile uses fewer pairs than the spec's K = 64 and fewer images per group, for every
+  estimator alike, and keeps the spec's generated-sample count.
 - Wall-clock cost is not separable per network in lock-step training, so the speedup is in optimiser steps
   (network-steps: LOGO G x steps x seeds, GUDA G x U).
 - Full profile: CIFAR-10 (python pickles, [load_cifar10]), one group per class, 3x32x32 images through the same
