@@ -37,10 +37,23 @@ Deviations from the paper (choices the abstract left open):
   so with it the comparison measured the temperature, not the method. Best-of-N's N is matched to DOIT-Practical's
   network evaluations; SVDD with DOIT's M spends more (an extra denoiser pass per candidate), not fewer. The
   quantised-reward gradient baseline is absent (n/a, not differentiable).
+- Premises (the arms learned, else the comparison ranks untrained samplers): behaviour_policy_learned, the
+  pretrained behaviour diffusion's normalised score >= 25 (a quarter of the way from the random policy to the clean
+  controller; the data are mostly noisy-controller episodes, so a clone of them sits well above it); and
+  critic_ranks_actions, the IQL critic prefers the clean controller's action (D4RL: the dataset's action) to a
+  uniform random one at >= 60 % of dataset states (0.5 is a critic blind to the action, which gives Best-of-N,
+  SVDD and DOIT nothing to select by) [critic_rank_acc].
+- "Efficiency preserved" (counted FLOPs per action at most 2x Best-of-N's) is context, not a part: Best-of-N's N is
+  set from DOIT-Practical's network evaluations, so the ratio is fixed by the parameters and cannot fail.
 - The "each environment" claim is the mean score over environments plus `method/min_env_margin > 0` (the smallest
   per-environment gap to the best baseline).
 - Full profile: D4RL's MuJoCo medium sets (v2 data) evaluated in gymnasium's v5 tasks (same observation and action
   spaces; the `mujoco` package simulates offline), normalised with D4RL's reference returns.
+- Smoke trains 1,200 steps of batch 1,024 (the spec's sketch: 800 steps; the profile had batch 256): at 800 steps
+  of 256 the behaviour diffusion samples like the random policy (premise behaviour_policy_learned), so every
+  sampler built on it starts from noise.
+- Smoke evaluates 32 episodes of 100 steps per method and reward (the spec's sketch: 4), stepped as one batch: with
+  4 the scores rest on a handful of trajectories and their spread swamps the gaps between samplers.
 - Smoke uses gamma 0.9 and a Polyak rate 0.05 for IQL (full: 0.99 / 0.005): with gamma 0.99, 800 steps left Q flat
   across actions (std 0.02 per state), so every reward-guided method only saw noise.
 """
@@ -88,6 +101,7 @@ class Params(PaperParams):
     quant_step: float = Field(0.5, gt=0, description="Quantised reward r = round(Q / q) q.")
     eval_episodes: int = Field(4, ge=1, description="Evaluation episodes per task, stepped as one batch.")
     eval_horizon: int = Field(200, ge=1, description="Steps per evaluation episode (also for the reference returns).")
+    critic_checks: int = Field(2048, ge=1, description="Dataset states of the critic-ranking premise.")
     ref_episodes: int = Field(10, ge=1, description="Episodes of the random policy and controller in prepare.")
     toy_train: int = Field(20000, ge=16, description="Training points of the 2-D Gaussian mixture.")
     toy_hidden: int = Field(128, ge=8, description="Hidden width of the toy denoiser.")
@@ -506,6 +520,23 @@ def make_reward(nets: EnvNets, quant: float | None):
 
 
 # ---- evaluation -------------------------------------------------------------------------------------------------
+def critic_rank_acc(nets: EnvNets, env_id: str, s: torch.Tensor, a_data: torch.Tensor, n: int, seed: int) -> float:
+    """How often the critic prefers a good action to a uniform random one at the same state: the share of n dataset
+    states where min-Q(s, a_good) > min-Q(s, a_random). a_good is the clean controller's action where the task has
+    one (Pendulum, mountain car), else the dataset's own action (D4RL); actions in [-1, 1]. 0.5 is a critic blind to
+    the action, which no reward-guided sampler can use."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(s), (n,), generator=g)
+    states = s[idx]
+    try:
+        good = torch.from_numpy(expert_action(env_id, states.numpy()).astype(np.float32)) / nets.high
+    except ValueError:  # no reference controller: the behaviour data's own action
+        good = a_data[idx]
+    rand = torch.rand(good.shape, generator=g) * 2 - 1
+    with torch.no_grad():
+        return float((nets.q(states, good.clamp(-1, 1)) > nets.q(states, rand)).float().mean())
+
+
 def nfe_doit(p: Params) -> int:
     """DOIT-Practical's network evaluations per action: K denoiser passes, K - 1 VJPs, M (K - 1) critic calls."""
     k = p.diffusion_steps
@@ -606,6 +637,11 @@ def evaluate(ctx) -> dict[str, float]:
                 per.setdefault(f"{prefix}/{key}", []).append(value)
                 metrics[f"detail/{tag(env_id)}/{name}/{key}"] = value
         margins.append(res["doit"]["score"] - max(res[b]["score"] for b in baselines))
+        d = load_env(ctx.data_dir, env_id)
+        acc = critic_rank_acc(model[tag(env_id)], env_id, d["s"], (d["a"] / model[tag(env_id)].high).clamp(-1, 1),
+                              p.critic_checks, p.seed)
+        per.setdefault("detail/critic_rank_acc", []).append(acc)
+        metrics[f"detail/{tag(env_id)}/critic_rank_acc"] = acc
     metrics |= {k: float(np.mean(v)) for k, v in per.items()}
     metrics["method/min_env_margin"] = float(min(margins))
 
@@ -671,12 +707,17 @@ PAPER = Paper(
     train=train,
     evaluate=evaluate,
     primary=("method/score", "max"),
-    claim=Claim(all_of=(
+    claim=Claim(premises=(  # the arms learned: the behaviour policy and the critic (bars in the docstring)
+        Compare("baseline/pretrained/score", ">=", 25.0, name="behaviour_policy_learned"),
+        Compare("detail/critic_rank_acc", ">=", 0.6, name="critic_ranks_actions"),
+    ), all_of=(
         Compare("method/score", ">", ("baseline/pretrained/score", "baseline/best_of_n/score",
                                       "baseline/gradient/score", "baseline/svdd/score")),
         Compare("method/min_env_margin", ">", 0.0),  # DOIT-Practical ahead on every task, not only on average
-        Compare("method/flops_per_action", "<=", "baseline/best_of_n/flops_per_action", scale=2.0),
         Compare("method/toy_sw2", "<", "method/toy_sw2_small_ml"),
         Compare("method/toy_sw2", "<", "baseline/pretrained/toy_sw2"),
-    ), summary="DOIT-Practical beats every training-free baseline at <= 2x Best-of-N's cost; DOIT-Proto converges"),
+    ), context=(  # an analytic count: Best-of-N's N is chosen from DOIT's network evaluations, so it holds by design
+        Compare("method/flops_per_action", "<=", "baseline/best_of_n/flops_per_action", scale=2.0),
+    ), summary="DOIT-Practical beats every training-free baseline (Best-of-N at matched network evaluations); "
+               "DOIT-Proto converges; context: counted FLOPs per action <= 2x Best-of-N's"),
 )

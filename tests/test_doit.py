@@ -181,3 +181,22 @@ def test_baselines_weigh_the_same_q_as_doit_and_are_scale_free(monkeypatch):
             assert torch.allclose(w, log_h(torch.zeros(3, 5, 2), torch.zeros(3, 2), 0).softmax(-1), atol=1e-6)
         rescaled = sampler(lambda x, c: 40 * q(x, c) - 9, torch.Generator().manual_seed(3))
         assert torch.allclose(a, rescaled, atol=1e-5)
+
+
+def test_critic_rank_premise_reads_whether_q_prefers_the_controller():
+    """The premise critic_ranks_actions: a critic peaked at the clean controller's action ranks it above a random
+    action almost always, one blind to the action never strictly does, one peaked at the opposite action rarely."""
+    p = doit.Params()
+    nets = doit.EnvNets(3, 1, 2.0, p)
+    angle = torch.rand(500) * 2 * np.pi
+    s = torch.stack([angle.cos(), angle.sin(), torch.randn(500) * 3], 1)
+    a_data = torch.zeros(500, 1)
+    best = lambda st: torch.from_numpy(doit.expert_action("Pendulum-v1", st.numpy()).astype(np.float32)) / 2  # noqa: E731
+    for q, lo, hi in ((lambda st, a: -(a[:, 0] - best(st)[:, 0]) ** 2, 0.9, 1.0),
+                      (lambda st, a: torch.zeros(len(a)), 0.0, 0.0),
+                      (lambda st, a: -(a[:, 0] + best(st)[:, 0]) ** 2, 0.0, 0.5)):
+        nets.q = q
+        assert lo <= doit.critic_rank_acc(nets, "Pendulum-v1", s, a_data, 400, 0) <= hi
+    names = {c.name for c in doit.PAPER.claim.premises}
+    assert names == {"behaviour_policy_learned", "critic_ranks_actions"}
+    assert [c.left for c in doit.PAPER.claim.context] == ["method/flops_per_action"]
