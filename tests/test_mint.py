@@ -129,3 +129,40 @@ def test_collector_resume_is_exact():
     for key in full.state:
         assert torch.equal(torch.nan_to_num(full.state[key], 7.0), torch.nan_to_num(resumed.state[key], 7.0)), key
     assert resumed.filled() == 12 and not torch.isnan(full.state["r"][:12]).any()
+
+
+class GoalQ(torch.nn.Module):
+    """A stand-in Q / U mean: action a 'delivers object a', worth its goal value (Q) or goal belief (U)."""
+
+    def __init__(self, k: int, u: bool):
+        super().__init__()
+        self.k, self.u = k, u
+
+    def forward(self, x):
+        goal = x[:, 2 : 2 + 8 * self.k].reshape(len(x), self.k, 8)[:, :, 2]  # (B, K) values or beliefs
+        return torch.cat([goal, torch.zeros(len(x), 5)], 1) if self.u else goal
+
+
+def _goal_world(k: int, e: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    phi = np.zeros((e, k, 3), np.float32)
+    phi[np.arange(e), rng.integers(k, size=e), 0] = 1
+    prior = np.full((e, k, 3), 0.5, np.float32)  # hazard / fragile: 1 bit each, irrelevant to the value
+    prior[..., 0] = 1 / k
+    return {"start": np.zeros((e, 2), int), "pos": rng.integers(5, size=(e, k, 2)), "phi": phi, "prior": prior}
+
+
+def test_uct_searches_question_sequences_and_stops_when_questions_cost_more():
+    k, e = 4, 6
+    nets = mint.SeedNets(k, 8)
+    nets.q, nets.u = GoalQ(k, u=False), GoalQ(k, u=True)
+    ep = _goal_world(k, e)
+    p = mint.Params(grid=5, n_objects=k, budget=3, uct_sims=300, question_cost=0.01, uct_c=0.3)
+    mask, vals, nq, asked = mint.mint_uct(nets, ep, p, seed=0)
+    assert ((asked[asked >= 0] % 3) == 0).all()  # only "is X the goal?": the others change no outcome
+    # a sequence, not a single question: each episode asks until the goal is known (at most K - 1 questions)
+    assert np.allclose(mint.belief(ep["prior"], mask, vals)[..., 0], ep["phi"][..., 0]) and (nq <= k - 1).all()
+    assert nq.max() >= 2
+    # at 0.3 a question costs more than it gains (0.25 x 0.7 + 0.75 x 0.033 < 0.25): stop at the root
+    costly = p.model_copy(update={"question_cost": 0.3})
+    assert mint.mint_uct(nets, ep, costly, seed=0)[2].sum() == 0
