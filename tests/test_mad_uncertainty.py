@@ -113,3 +113,9 @@ def test_gsm8k_jsonl_loader_on_a_three_line_fixture(tmp_path):
                                                         (rows[2]["question"], 2)]
     p = mad.Params(dataset="jsonl", jsonl_path=str(tmp_path / "test.jsonl"))
     assert [a for _, a, _ in mad._questions(p)] == [7, 0, 2]  # the target is the answer's last digit
+
+
+def test_pretraining_never_sees_a_test_question_by_default():
+    split = np.array(["rl", "test", "rl", "test", "rl"])
+    assert mad.pretrain_pool(split, with_test=False).tolist() == [0, 2, 4]
+    assert mad.pretrain_pool(split, with_test=True).tolist() == [0, 1, 2, 3, 4]
