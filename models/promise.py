@@ -40,13 +40,9 @@ Deviations from the paper (choices the abstract left open):
 - `basin_coverage` (not in the claim) relaxes coverage to "some sample nearer each state", to separate state
   selection from accuracy.
 
-Outcome at smoke scale (`paperline run promise`, one seed, 200 steps per model): no system hits both states within
-2 A, because no decoder is accurate enough (best-of-K RMSD to the true state 3.1 A for (b) and (c), 4.3 A for (a),
-4.2 A for the nearest training structure; an in-process trial with 300 steps at 2.5x the learning rate gave the
-same), so findings 1 and 4 do not hold (coverage 0 = 0). Findings 2 and 3 hold: (a) never flips with the context
-(0.0), and a linear probe reads the context-set state from its trunk at 0.80 while its output is at chance (0.50).
-The relaxed basin coverage separates the decoders: (a) 0.0, (b) 1.0, (c) 0.67; the state-selection numbers of (b)
-and (c) (dominance bias, flip rate) swapped order between runs (2 ranks vs 1), so one seed does not rank them.
+Known limit at smoke scale: the decoders are trained for a few hundred steps, and whether any of them comes within
+`hit_rmsd` of both states (else coverage is 0 for every system and findings 1 and 4 cannot show) is read from the
+run's `basin_coverage` and RMSD details on the scoreboard, not stated here.
 """
 
 from __future__ import annotations
