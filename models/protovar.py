@@ -47,6 +47,10 @@ of real data in the same observer space, with the same estimator and sample size
 of the class (the level a perfect generator reaches) and real images of the other classes (chance: samples of the
 wrong class). The bound is their midpoint: a generator whose samples are not closer to their class than halfway
 to another class's images does not represent its class.
+
+The latent DDPM is dropped from the accuracy part of the claim (its comparison and its premise are context): even
+with `ddpm_extra_steps` of training on its own, its pool's MMD stays at the wrong-class level in smoke, so ProtoVAR
+beating it would hold by construction. Its counted generation cost stays a part (it does not depend on quality).
 """
 
 from __future__ import annotations
@@ -645,16 +649,19 @@ PAPER = Paper(
     evaluate=evaluate,
     primary=("method/acc_ipc10", "max"),
     claim=Claim(
-        premises=tuple(  # every generator's pool is closer to its class than halfway to another class's images
+        premises=tuple(  # every claimed generator's pool is closer to its class than halfway to another class's
             Compare(f"detail/mmd/pool_{g}", "<", "detail/mmd/bound", name=f"{g}_represents_classes")
-            for g in GENERATORS),
+            for g in GENERATORS if g != "diffusion"),
         all_of=(
-            Compare("method/acc_ipc10", ">", "baseline/diffusion/acc_ipc10"),
             Compare("method/acc_ipc10", ">", "baseline/plain_var/acc_ipc10"),
             Compare("method/acc_ipc10", ">=", "baseline/random_real/acc_ipc10"),
             Compare("method/gen_select_gflops", "<=", "baseline/diffusion/gen_select_gflops"),
             Compare("method/acc_ipc10", ">", "baseline/protovar_no_selector/acc_ipc10"),
         ),
-        summary="At IPC 10 ProtoVAR beats latent diffusion, plain VAR and its own no-selector ablation, matches "
-                "random real images, at no more counted compute than diffusion"),
+        context=(  # the latent DDPM does not represent its classes within the smoke budget: shown, not deciding
+            Compare("detail/mmd/pool_diffusion", "<", "detail/mmd/bound"),
+            Compare("method/acc_ipc10", ">", "baseline/diffusion/acc_ipc10"),
+        ),
+        summary="At IPC 10 ProtoVAR beats plain VAR and its own no-selector ablation, matches random real images, "
+                "at no more counted compute than latent diffusion (its accuracy is context: see the docstring)"),
 )
