@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import csv
 import os
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Literal
@@ -528,16 +527,6 @@ def _plots(out: Path, m: dict, trade: dict, curves: dict) -> None:
     plt.close(fig)
 
 
-@dataclass(frozen=True)
-class NotedClaim(Claim):
-    """A claim whose text (the claim line, the scoreboard's claim column) carries a note on what is left out."""
-
-    note: str = ""
-
-    def text(self) -> str:
-        return f"{super().text()} [{self.note}]" if self.note else super().text()
-
-
 PAPER = Paper(
     id="cache_attack",
     title="CacheAttack: key-collision attacks on semantic caches",
@@ -547,7 +536,7 @@ PAPER = Paper(
     train=train,
     evaluate=evaluate,
     primary=("method/hit_e1", "max"),
-    claim=NotedClaim(premises=(  # some attack query reaches the victim cache's tau at all (white-box, scored on E1)
+    claim=Claim(premises=(  # some attack query reaches the victim cache's tau at all (white-box, scored on E1)
         Compare("baseline/whitebox/hit_e1", ">", 0.0, name="whitebox_reaches_tau"),
     ), all_of=(
         Compare("method/hit_e1", ">", ("baseline/naive/hit_e1", "baseline/random/hit_e1")),

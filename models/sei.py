@@ -28,7 +28,6 @@ Deviations from the paper (choices the abstract left open):
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -425,17 +424,6 @@ STAND_IN = ("clip = a CNN image tower scored by cosine similarity to frozen Mini
             "'an image of class c', standing in for CLIP RN50 (not installed here)")
 
 
-@dataclass(frozen=True)
-class NotedClaim(Claim):
-    """A claim whose text carries a note, so that the claim line and the scoreboard's claim column, where the
-    numbers are reported, say what stands in for what (here: MiniLM prompts for CLIP RN50's text tower)."""
-
-    note: str = ""
-
-    def text(self) -> str:
-        return f"{super().text()} [{self.note}]" if self.note else super().text()
-
-
 PAPER = Paper(
     id="sei",
     title="Signed entropy integral for mislabeled-data detection",
@@ -445,7 +433,7 @@ PAPER = Paper(
     train=train,
     evaluate=evaluate,
     primary=("method/cnn_auroc", "max"),
-    claim=NotedClaim(
+    claim=Claim(
         premises=(  # the experiment tests SEI only if the detectors' networks learned the task at all
             Compare("detail/cnn/clean_train_acc", ">=", 0.9, name="cnn_fits_clean_labels"),
             Compare("detail/clip/clean_train_acc", ">=", 0.9, name="clip_fits_clean_labels"),

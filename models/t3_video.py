@@ -571,6 +571,7 @@ PAPER = Paper(
         summary="the T3 retrofit beats the local-window retrofit and the cascade in FD, stays within 10% of "
                 "fine-tuned full attention, keeps class consistency of zero-shot full attention, and is >= 2x faster "
                 "per forward on the timing grid (wall clock, paired repeats); >= 10x cheaper in attention FLOPs at 4K "
-                "is an analytic count (context). At smoke depth 2 only the first two of the four block shapes "
-                "((1, -1, -1) and (-1, -1, 2)) are exercised; the 4K count cycles all four"),
+                "is an analytic count (context)",
+        note="at depth 2 (smoke) only the first two of the four block shapes, (1, -1, -1) and (-1, -1, 2), are "
+             "exercised; the 4K FLOP count cycles all four"),
 )

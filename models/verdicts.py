@@ -227,12 +227,15 @@ class ClaimResult:
 @dataclass(frozen=True)
 class Claim:
     """What a paper claims (`all_of`, a conjunction), what must be true for the experiment to test it
-    (`premises`, each named) and what is shown beside it without deciding (`context`)."""
+    (`premises`, each named) and what is shown beside it without deciding (`context`). `note` says what stands in
+    for what, or what is left out; it is part of the claim's text, so the claim line and the scoreboard print it
+    beside the numbers (the `summary` is the claim in words, for the module's reader)."""
 
     all_of: tuple[Compare, ...]
     summary: str = ""
     premises: tuple[Compare, ...] = ()
     context: tuple[Compare, ...] = ()
+    note: str = ""
 
     def __post_init__(self) -> None:
         unnamed = [p.text() for p in self.premises if not p.name]
@@ -240,7 +243,8 @@ class Claim:
             raise ValueError(f"every premise needs a name: {unnamed}")
 
     def text(self) -> str:
-        return " and ".join(c.text() for c in self.all_of)
+        parts = " and ".join(c.text() for c in self.all_of)
+        return f"{parts} [{self.note}]" if self.note else parts
 
     def metric_names(self) -> set[str]:
         return {n for c in (*self.premises, *self.all_of, *self.context) for n in (c.left, *c.right_names)}

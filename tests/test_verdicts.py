@@ -8,7 +8,7 @@ import math
 import pytest
 from scipy import stats
 
-from models.verdicts import FAILS, HOLDS, INCONCLUSIVE, Claim, Compare, t_interval
+from models.verdicts import FAILS, HOLDS, INCONCLUSIVE, Claim, ClaimResult, Compare, t_interval
 from tasks.replicates import aggregate, claim_metrics
 
 
@@ -154,3 +154,12 @@ def test_morning_report_flags_only_reversals_between_decisive_verdicts():
     assert not lost.flipped and lost.became_inconclusive
     assert not line("inconclusive", "holds").flipped and not line("inconclusive", "holds").became_inconclusive
     assert not line("", "holds").flipped
+
+
+def test_a_claims_note_is_part_of_its_text_and_of_every_result():
+    """`Claim.note` (what stands in for what) travels with the numbers: the claim line and the scoreboard print it."""
+    claim = Claim((Compare("method/a", ">", "baseline/b/a"),), note="MiniLM stands in for CLIP")
+    assert claim.text() == "method/a > baseline/b/a [MiniLM stands in for CLIP]"
+    result = claim.decide([{"method/a": 1.0 + i / 10, "baseline/b/a": 0.5} for i in range(3)])
+    assert result.text == claim.text() and ClaimResult.from_dict(result.to_dict()).text == claim.text()
+    assert Claim((Compare("method/a", ">", "baseline/b/a"),)).text() == "method/a > baseline/b/a"
