@@ -31,11 +31,11 @@ Deviations from the paper (choices the abstract left open; the spec's choices ar
   learn to ignore peers (nothing in the supervised data says whom to trust: that is what debate RL has to learn).
 - Evaluation decodes greedily (each agent answers argmax p_i); the uncertainty terms use the full p_i. Majority
   ties go to the smallest digit among the tied answers.
-- Smoke pretrains 300 steps of 64 per agent, not the spec's 120: at 120 steps a width-64 agent reproduces only ~30%
-  of its own view's labels (measured on one core), so the heterogeneous knowledge that debate rests on does not
-  exist yet; at 300 steps it reproduces ~92%.
+- Smoke pretrains 300 steps of 64 per agent, not the spec's 120: at 120 steps a width-64 agent reproduces only a
+  small share of its own view's labels (an earlier trial on one core), so the heterogeneous knowledge that debate
+  rests on does not exist yet; at 300 steps it reproduces most of them.
 - The peers' answers follow the question ("3*4|A1:2;A2:7="); putting them first (question at fixed positions from
-  the end) memorised slower at equal steps (measured at 120 steps: 29% vs 32% of own labels).
+  the end) memorised slower at equal steps (an earlier trial at 120 steps).
 - Full profile: the LLM agents (Qwen/Llama from local paths) are not wired (no weights here). The jsonl loader
   (GSM8K layout, "#### n") feeds the same char-level agents, with the final answer's last digit as the target.
 """
