@@ -150,6 +150,7 @@ def _spectral_schedule(model: PaperModel, table: pd.DataFrame, params: dict) -> 
     from models.spectral_schedule import sample_arm
 
     arms = model.modules["arms"]
+    arms = arms.worlds["main"] if hasattr(arms, "worlds") else arms  # the paper's data set, not the digits control
     arm, nfe = str(params.get("arm", "tight")), int(params.get("nfe", min(arms.p.nfe)))
     channels = next(m for m in arms.nets[arm].modules() if isinstance(m, torch.nn.Conv2d)).in_channels
     shape = (channels, arms.p.image_size, arms.p.image_size)
