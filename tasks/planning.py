@@ -667,23 +667,24 @@ def _real_tables():
 
 def _forked(fn: Callable, *args, **kwargs) -> tuple[list[Phase], str]:
     """`fn(*args, **kwargs)` in a forked child: real values fed to native code (LAPACK, k-means) may abort the
-    process, which must not take the plan with it."""
-    import multiprocessing
+    process, which must not take the plan with it. A bare `os.fork`, since `plan_all`'s planners are daemonic
+    processes, which multiprocessing forbids to have children."""
+    import pickle
 
-    receive, send = multiprocessing.get_context("fork").Pipe(duplex=False)
-
-    def child():
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: answer through the pipe, then leave without the interpreter's teardown
+        os.close(read)
         try:
-            send.send(fn(*args, **kwargs))
+            with os.fdopen(write, "wb") as out:
+                pickle.dump(fn(*args, **kwargs), out)
         finally:
             os._exit(0)
-
-    proc = multiprocessing.get_context("fork").Process(target=child, daemon=True)
-    proc.start()
-    send.close()
+    os.close(write)
+    with os.fdopen(read, "rb") as answer:
+        data = answer.read()
+    _, status = os.waitpid(pid, 0)
     try:
-        return receive.recv()
-    except EOFError:
-        return [], f"the retry on real table values died (exit code {proc.join() or proc.exitcode})"
-    finally:
-        proc.join()
+        return pickle.loads(data)
+    except (EOFError, pickle.UnpicklingError):
+        return [], f"the retry on real table values died (wait status {status})"
