@@ -2,16 +2,17 @@
 
 Seed: 003_9a806cafa3d919df.txt, abstract 16. Spec: ../shared/papers/fedgr.md.
 
-Federated clients are SIMULATED INSIDE EACH RANK: every client of every method and noise setting is one slice of a
-batched MLP (`FedMLP`, weights stacked on a leading "network" axis), so all of them train in lock-step in ONE
-DeepSpeed engine (AdamW is element-wise, so the stacked networks train exactly as they would apart). The ranks are
-data-parallel inside each client: each client's minibatch is split across ranks and DeepSpeed averages gradients.
-The server runs on every rank identically between rounds (deterministic, no communication needed).
+Federated clients are SIMULATED INSIDE EACH RANK: every client of every federation ("arm": a method trained on one
+setting's labels, `Arm`) is one slice of a batched network (`Federation`, weights stacked on a leading "network"
+axis), so all of them train in lock-step in ONE DeepSpeed engine (AdamW is element-wise, so the stacked networks
+train exactly as they would apart). The ranks are data-parallel inside each client: each client's minibatch is
+split across ranks and DeepSpeed averages gradients. The server runs on every rank identically between rounds
+(deterministic, no communication needed).
 
 What it implements (function names in brackets):
 - FedAvg aggregation, the real arithmetic w_global = sum_k n_k w_k / sum_k n_k per federation [fedavg];
 - global-guided noisy-label sniffing and refining [server_round]: the received global model's cross-entropy on
-  every local sample, a running mean over rounds, one 2-component GMM on the pooled proxies per setting (clean
+  every local sample, a running mean over rounds, one 2-component GMM on the pooled proxies per federation (clean
   probability c_i, flag c_i < 0.5, per-client noise-rate estimate) [sniff]; refined labels from the global model's
   prediction on a 1-pixel-shifted input when its confidence exceeds 0.9 [weak_shift]; local loss
   c_i CE(y) + (1 - c_i) CE(y_hat) on clients with estimated noise < 0.6, pseudo-label CE only on noisier ones
@@ -19,15 +20,25 @@ What it implements (function names in brackets):
 - global-revised EMA distillation: per-client EMA teacher, ema <- beta ema + (1 - beta) global at each round start,
   soft targets sharpened at T, KL [fedgr_loss];
 - global representation regularisation: KL(softmax(z_global / tau) || softmax(z_local / tau)) [fedgr_loss];
-- baselines with the same model, data, rounds and batches: FedAvg, FedProx (mu), FedAvg + SCE, FedAvg + Co-teaching
-  [local_losses];
+- the three single-module ablations, trained in the severe setting [ABLATIONS, Federation.switches]: no_sniff (no
+  GMM and no refined labels: c = 1, plain CE on the given labels), no_ema (the EMA distillation term is 0), no_rep
+  (the representation term is 0); each keeps the other two modules unchanged;
+- baselines with the same model, data, rounds, batches and learning rate: FedAvg, FedProx (mu), FedAvg + SCE,
+  FedAvg + Co-teaching; and FedAvg on the true labels [CLEAN], the premise that the task is learnable at all;
 - memorisation probe in the FedAvg run: per round, the share of noisy-labelled training samples predicted as their
-  noisy label by the global model and by each local model after local training [server_round].
+  noisy label by the global model and by each local model after local training [server_round];
+- precision and recall of the refined labels against the true labels [refine_scores].
 
 The phenomenon is controlled by `settings[*].rho_min/rho_max` (label-noise ratio per client; [0, 0] turns label
 noise off, and FedGR's advantage should vanish), `pair_flip_share` (noise type mix) and `alpha` (non-IID-ness).
 
 Deviations from the paper (choices the abstract left open):
+- Noise is injected per class of each client (a class-conditional flip rate, stochastic rounding), and pair-flip
+  ratios are clipped at `pair_flip_max` = 0.45 (Co-teaching's "pair-45%"), a strict minority in every class. A
+  pair flip at 0.5 or more is a label permutation: the flipped class becomes what the data teach, the small-loss
+  proxy ranks the flipped samples as the clean ones and no refining can recover them. With the spec's severe range
+  [0.4, 0.7] and half the clients pair-flip, most classes were in that state, which is why the refining recall was
+  near zero there before this clip.
 - Local training is a fixed number of local steps per round (`local_steps`) for every client rather than one local
   epoch: lock-step training needs equal step counts. Client batches cycle through a per-round permutation.
 - The GMM is refitted every round from the sniffing round on (on the running-mean proxies); refined labels are
@@ -38,17 +49,20 @@ Deviations from the paper (choices the abstract left open):
 - Smoke refines on the unshifted input (`shift_pixels: 0`): an MLP on 8x8 digits is not shift-invariant (one pixel
   is 12.5 % of the image), and the global model's confident predictions on 1-pixel-shifted inputs were right far
   less often than on unshifted ones (severe setting, an earlier smoke trial). `shift_pixels: 1` is the paper's weak
-  augmentation (full profile).
+  augmentation (full profile). Unshifted, the refined label is the global model's own prediction, so a clean
+  sample that the GMM flags and the model gets wrong is trained toward the model's mistake.
 - Rounds before `sniff_round` are warm-up rounds of plain CE (FedAvg) for FedGR's networks; the three modules
   (refining, EMA distillation, representation KL) all start at the sniffing round.
 - The EMA teacher also follows the local model within a round (mean-teacher momentum `ema_local_momentum`), so
   clients' teachers differ; the spec's global revision happens at every round start.
-- Co-teaching uses each client's true noise ratio as its forget rate (the usual oracle), ramped over 5 rounds,
-  and small-loss selection runs on each rank's share of the batch. SCE uses alpha = 0.1, beta = 1, A = log 1e-4.
+- Co-teaching uses each client's realised noise ratio as its forget rate (the usual oracle, an advantage to the
+  baseline), ramped over 5 rounds, and small-loss selection runs on each rank's share of the batch. SCE uses
+  alpha = 0.1, beta = 1, A = log 1e-4.
+- The module ablations run in the severe setting only (budget); the spec names them for the full profile.
 - Full profile: CIFAR-10/100 pickle and Clothing1M list-file loaders feed a batched CNN [cnn: two 3x3 convs,
   max-pool, global average pool, linear head; every network one group of a grouped convolution], the spec's "CNN"
-  option, not ResNet-18: 2 settings x 6 groups x 100 clients train in lock-step, and 1,200 ResNet-18s would hold
-  13B parameters. FedAvg resets weights inside the engine,
+  option, not ResNet-18: 16 federations x 100 clients train in lock-step, and 1,600 ResNet-18s would hold
+  18B parameters. FedAvg resets weights inside the engine,
   which assumes ZeRO stage 0 (fp32 params are the optimiser's own), so the full profile keeps zero_stage 0, fp32.
 """
 
@@ -56,12 +70,12 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sklearn.datasets import load_digits
 from sklearn.mixture import GaussianMixture
 from torch import nn
@@ -71,9 +85,34 @@ from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
 from models.inputs import input_path
 
-GROUPS = ("fedgr", "fedavg", "fedprox", "sce", "cot_a", "cot_b")  # network groups; Co-teaching trains two nets
+METHODS = ("fedgr", "fedavg", "fedprox", "sce", "cot_a", "cot_b")  # arms of every setting; Co-teaching: two nets
 BASELINES = ("fedavg", "fedprox", "sce", "coteaching")
+# FedGR's single-module ablations: name -> (sniffing and refining, EMA distillation, representation loss) switched on
+ABLATIONS = {"no_sniff": (False, True, True), "no_ema": (True, False, True), "no_rep": (True, True, False)}
+VARIANTS = {"fedgr": (True, True, True), **{f"fedgr_{k}": v for k, v in ABLATIONS.items()}}  # FedGR-type arms
+CLEAN = "fedavg_clean"  # FedAvg on the true labels: the reference that says the task is learnable at all
+SETTINGS = ("mild", "severe")  # the claim is decided per setting; ablations run in the severe one
+CLEAN_BAR = 0.9  # premise: FedAvg on clean labels reaches this test accuracy (digits: the task is learnt)
+RECALL_BAR = 0.5  # context: FedGR's refining recovers at least half of the mislabelled samples in the severe setting
 PAIR_FLIPS = {1: 7, 7: 1, 3: 8, 8: 3, 5: 6, 6: 5, 4: 9, 9: 4, 0: 6, 2: 7}  # look-alike pairs (digits)
+
+
+class Arm(NamedTuple):
+    """One federation: a method trained on the labels of one noise setting (-1: the true labels)."""
+
+    setting: int
+    method: str
+
+
+def arms(settings: list[str], ablations: bool, clean_reference: bool) -> list[Arm]:
+    """Every federation the run trains, in lock-step: the methods of each setting, the ablations in the severe
+    setting, and the clean-label FedAvg reference."""
+    out = []
+    for s, name in enumerate(settings):
+        out += [Arm(s, m) for m in METHODS]
+        if ablations and name == "severe":
+            out += [Arm(s, v) for v in VARIANTS if v != "fedgr"]
+    return out + ([Arm(-1, CLEAN)] if clean_reference else [])
 
 
 class NoiseSetting(BaseModel):
@@ -92,7 +131,12 @@ class Params(PaperParams):
     clients: int = Field(10, ge=2, description="Federated clients K.")
     alpha: float = Field(0.5, gt=0.0, description="Dirichlet concentration over labels (small = non-IID).")
     pair_flip_share: float = Field(0.5, ge=0.0, le=1.0, description="Probability a client's noise is pair-flip.")
-    settings: list[NoiseSetting] = Field(min_length=1, description="Noise settings: per-client ratio ~ U[min, max].")
+    pair_flip_max: float = Field(0.45, ge=0.0, lt=0.5, description="Pair-flip ratios are clipped to this: at 0.5 "
+                                 "or more the flipped class outnumbers the true one and the labels are a permutation.")
+    settings: list[NoiseSetting] = Field(min_length=2, max_length=2, description="The two noise settings, named mild "
+                                         "and severe: per-client ratio ~ U[min, max].")
+    ablations: bool = Field(True, description="Also train FedGR's three single-module ablations (severe setting).")
+    clean_reference: bool = Field(True, description="Also train FedAvg on the true labels (the learnability premise).")
     rounds: int = Field(20, ge=2, description="Communication rounds R.")
     local_steps: int = Field(5, ge=1, description="Local AdamW steps per client per round.")
     batch_size: int = Field(64, ge=2, description="Per-client minibatch (split across ranks).")
@@ -112,6 +156,12 @@ class Params(PaperParams):
     lambda_ema: float = Field(1.0, ge=0, description="Weight of the EMA distillation loss.")
     lambda_rep: float = Field(1.0, ge=0, description="Weight of the representation regulariser.")
     prox_mu: float = Field(0.01, ge=0, description="FedProx proximal weight.")
+
+    @model_validator(mode="after")
+    def _named_settings(self) -> Params:
+        if tuple(s.name for s in self.settings) != SETTINGS:
+            raise ValueError(f"settings must be named {SETTINGS} in this order (the claim is decided per setting)")
+        return self
 
 
 # ---- data --------------------------------------------------------------------------------------------------
@@ -182,14 +232,21 @@ def dirichlet_partition(labels: np.ndarray, clients: int, alpha: float, rng: np.
 
 def inject_noise(labels: np.ndarray, kind: str, ratio: float, num_classes: int,
                  rng: np.random.Generator) -> np.ndarray:
-    """Flip exactly round(ratio n) labels: uniformly to another class, or to the class's pair."""
+    """Flip ratio n_c labels of each class c (n_c samples; stochastic rounding, so the rate is unbiased): uniformly
+    to another class, or to the class's pair. Pair flips below 0.5 stay a strict minority of every class (at most
+    ceil(n_c / 2) - 1), so the true label remains what the class's labels teach."""
     noisy = labels.copy()
-    chosen = rng.choice(len(labels), size=round(ratio * len(labels)), replace=False)
-    if kind == "symmetric":
-        noisy[chosen] = (labels[chosen] + rng.integers(1, num_classes, size=len(chosen))) % num_classes
-    else:
-        pair = PAIR_FLIPS if num_classes == 10 else {c: (c + 1) % num_classes for c in range(num_classes)}
-        noisy[chosen] = [pair[int(c)] for c in labels[chosen]]
+    pair = PAIR_FLIPS if num_classes == 10 else {c: (c + 1) % num_classes for c in range(num_classes)}
+    for c in np.unique(labels):
+        members = np.flatnonzero(labels == c)
+        count = int(ratio * len(members) + rng.random())  # floor(x) + Bernoulli(frac(x)): E[count] = ratio n_c
+        if kind == "pair" and ratio < 0.5:
+            count = min(count, -(-len(members) // 2) - 1)
+        chosen = rng.choice(members, size=count, replace=False)
+        if kind == "symmetric":
+            noisy[chosen] = (c + rng.integers(1, num_classes, size=len(chosen))) % num_classes
+        else:
+            noisy[chosen] = pair[int(c)]
     return noisy
 
 
@@ -205,8 +262,10 @@ def prepare(p: Params, out_dir: Path) -> None:
             members = np.flatnonzero(owner == c)
             kind = "pair" if rng.random() < p.pair_flip_share else "symmetric"
             ratio = float(rng.uniform(s.rho_min, s.rho_max))
+            ratio = min(ratio, p.pair_flip_max) if kind == "pair" else ratio
             if given is None:  # synthetic noise; real noisy labels (Clothing1M) are kept as they are
                 noisy[members] = inject_noise(true[members], kind, ratio, k, rng)
+                ratio = float((noisy[members] != true[members]).mean()) if len(members) else ratio  # as realised
             row = (s.name, c, kind if given is None else "real", ratio, len(members))
             for col, v in zip(clients, row, strict=True):
                 clients[col].append(v)
@@ -271,35 +330,50 @@ def init_weights(m: int, dims: tuple[int, ...], g: torch.Generator) -> list[torc
 
 
 class Federation(nn.Module):
-    """Local weights of every (setting, group, client) network + server state as buffers (checkpointed with it)."""
+    """Local weights of every (arm, client) network + server state as buffers (checkpointed with it).
 
-    def __init__(self, s: int, k: int, dims: tuple[int, ...], n_train: int, rounds: int, seed: int,
+    Arm f's clients are rows f K ... f K + K - 1 of every local weight; FedGR-type arms (FedGR and its ablations)
+    additionally hold EMA teachers and the sniffing state, indexed by their position v in `self.variants`."""
+
+    def __init__(self, arm_list: list[Arm], k: int, dims: tuple[int, ...], n_train: int, rounds: int, seed: int,
                  arch: str = "mlp"):
         super().__init__()
-        self.S, self.G, self.K = s, len(GROUPS), k
+        self.arms, self.K = list(arm_list), k
+        self.S = max(a.setting for a in self.arms) + 1
+        self.F = len(self.arms)
+        self.variants = [f for f, a in enumerate(self.arms) if a.method in VARIANTS]  # FedGR-type arms
+        v = len(self.variants)
         g = torch.Generator().manual_seed(seed)
         init = init_cnn if arch == "cnn" else init_weights  # dims: (C, C1, H2, classes) / (D, H1, H2, classes)
-        base = init(s, dims, g)  # every method of a setting starts from the same global init ...
-        peer = init(s, dims, g)  # ... except Co-teaching's second network
-        glob = [torch.stack([b if name != "cot_b" else q for name in GROUPS], 1).flatten(0, 1)  # (S G, ...)
+        base = init(max(self.S, 1), dims, g)  # every method of a setting starts from the same global init ...
+        peer = init(max(self.S, 1), dims, g)  # ... except Co-teaching's second network
+        glob = [torch.stack([(q if a.method == "cot_b" else b)[max(a.setting, 0)] for a in self.arms])  # (F, ...)
                 for b, q in zip(base, peer, strict=True)]
-        self.local = nn.ParameterList([nn.Parameter(t.repeat_interleave(k, 0).clone()) for t in glob])  # (S G K, ...)
+        self.local = nn.ParameterList([nn.Parameter(t.repeat_interleave(k, 0).clone()) for t in glob])  # (F K, ...)
         for i, t in enumerate(glob):
             self.register_buffer(f"glob{i}", t.clone())
-            self.register_buffer(f"ema{i}", t.view(s, self.G, *t.shape[1:])[:, 0].repeat_interleave(k, 0).clone())
-        self.register_buffer("loss_sum", torch.zeros(s, n_train))  # running sum of the global model's CE
-        self.register_buffer("clean_prob", torch.ones(s, n_train))  # c_i (1 before sniffing)
-        self.register_buffer("refined", torch.full((s, n_train), -1, dtype=torch.long))  # y_hat, -1 = none
-        self.register_buffer("noisy_client", torch.zeros(s, k, dtype=torch.bool))
-        self.register_buffer("test_acc", torch.full((rounds, s, self.G), float("nan")))  # after each aggregation
-        self.register_buffer("mem_global", torch.full((rounds, s), float("nan")))  # FedAvg probes
-        self.register_buffer("mem_local", torch.full((rounds, s, k), float("nan")))
+            self.register_buffer(f"ema{i}", t[self.variants].repeat_interleave(k, 0).clone())  # (V K, ...)
+        self.register_buffer("loss_sum", torch.zeros(v, n_train))  # running sum of the global model's CE
+        self.register_buffer("clean_prob", torch.ones(v, n_train))  # c_i (1 before sniffing)
+        self.register_buffer("refined", torch.full((v, n_train), -1, dtype=torch.long))  # y_hat, -1 = none
+        self.register_buffer("noisy_client", torch.zeros(v, k, dtype=torch.bool))
+        self.register_buffer("test_acc", torch.full((rounds, self.F), float("nan")))  # after each aggregation
+        self.register_buffer("mem_global", torch.full((rounds, self.S), float("nan")))  # FedAvg probes
+        self.register_buffer("mem_local", torch.full((rounds, self.S, k), float("nan")))
+
+    def index(self, method: str, setting: int | None = None) -> list[int]:
+        """Arm indices of a method (in setting order), or its one arm in `setting`."""
+        return [f for f, a in enumerate(self.arms) if a.method == method and setting in (None, a.setting)]
+
+    def switches(self) -> torch.Tensor:
+        """(V, 3) bool: sniffing/refining, EMA distillation and representation loss on, per FedGR-type arm."""
+        return torch.tensor([VARIANTS[self.arms[f].method] for f in self.variants], dtype=torch.bool).view(-1, 3)
 
     def weights(self, kind: str) -> list[torch.Tensor]:
         return list(self.local) if kind == "local" else [getattr(self, f"{kind}{i}") for i in range(6)]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return net(list(self.local), x)  # (S G K, B, C), (S G K, B, H2)
+        return net(list(self.local), x)  # (F K, B, C), (F K, B, H2)
 
 
 def fedavg(local: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
@@ -355,52 +429,63 @@ def _load(data_dir: Path) -> dict:
     }
 
 
-def _groups(t: torch.Tensor, fed: Federation, clients: bool = True) -> torch.Tensor:
-    """(S G K, ...) -> (S, G, K, ...), or (S G, ...) -> (S, G, ...)."""
-    return t.view(fed.S, fed.G, fed.K, *t.shape[1:]) if clients else t.view(fed.S, fed.G, *t.shape[1:])
+def arm_labels(fed: Federation, d: dict) -> torch.Tensor:
+    """(F, N) the training labels each arm sees: its setting's noisy labels, or the true ones."""
+    return torch.stack([d["noisy"][a.setting] if a.setting >= 0 else d["true"] for a in fed.arms])
+
+
+def _clients(t: torch.Tensor, fed: Federation) -> torch.Tensor:
+    """(F K, ...) -> (F, K, ...)."""
+    return t.view(fed.F, fed.K, *t.shape[1:])
 
 
 @torch.no_grad()
 def server_round(fed: Federation, r: int, d: dict, p: Params, reset_optimizer) -> None:
     """Start of round r (0-based): aggregate round r-1, probe, broadcast, revise EMA teachers, sniff and refine."""
-    S, K, fa, fg = fed.S, fed.K, GROUPS.index("fedavg"), GROUPS.index("fedgr")
+    K, V = fed.K, len(fed.variants)
     x, noisy, owner = d["x"], d["noisy"], d["owner"]
     mislabeled = noisy != d["true"][None]  # (S, N)
     if r >= 1:
         a = r - 1
-        local = [_groups(w, fed) for w in fed.weights("local")]
-        for s in range(S):  # memorisation probe of each FedAvg client after local training, on its own samples
+        local = [_clients(w, fed) for w in fed.weights("local")]  # (F, K, ...)
+        for s in range(fed.S):  # memorisation probe of each FedAvg client after local training, on its own samples
+            fa = fed.index("fedavg", s)[0]
             for k in range(K):
                 own = (owner == k) & mislabeled[s]
                 if own.any():
-                    logits, _ = net([w[s, fa, k][None] for w in local], x[own][None])  # (1, n, C)
+                    logits, _ = net([w[fa, k][None] for w in local], x[own][None])  # (1, n, C)
                     fed.mem_local[a, s, k] = (logits[0].argmax(-1) == noisy[s, own]).float().mean()
         for i, w in enumerate(fed.weights("glob")):
-            w.copy_(fedavg(fed.local[i].view(S * fed.G, K, *w.shape[1:]), d["n"]))
+            w.copy_(fedavg(local[i], d["n"]))
         glob = fed.weights("glob")
-        for s in range(S):
-            logits, _ = net([_groups(w, fed, False)[s, fa][None] for w in glob], x[mislabeled[s]][None])
+        for s in range(fed.S):
+            fa = fed.index("fedavg", s)[0]
+            logits, _ = net([w[fa][None] for w in glob], x[mislabeled[s]][None])
             fed.mem_global[a, s] = (logits[0].argmax(-1) == noisy[s, mislabeled[s]]).float().mean()
-        logits, _ = net(glob, d["x_test"].expand(len(glob[0]), -1, -1))  # (S G, M, C)
-        fed.test_acc[a] = (logits.argmax(-1) == d["y_test"]).float().mean(-1).view(S, fed.G)
+        logits, _ = net(glob, d["x_test"].expand(fed.F, -1, -1))  # (F, M, C)
+        fed.test_acc[a] = (logits.argmax(-1) == d["y_test"]).float().mean(-1)
     glob = fed.weights("glob")
     for i, w in enumerate(glob):  # broadcast: every client starts the round from its federation's global model
         fed.local[i].copy_(w.repeat_interleave(K, 0))
     reset_optimizer()
-    g_fedgr = [_groups(w, fed, False)[:, fg] for w in glob]  # (S, ...)
-    for e, w in zip(fed.weights("ema"), g_fedgr, strict=True):  # global revision of the EMA teachers
+    if not V:
+        return
+    g_var = [w[fed.variants] for w in glob]  # (V, ...): the FedGR-type arms' global models
+    for e, w in zip(fed.weights("ema"), g_var, strict=True):  # global revision of the EMA teachers
         e.mul_(p.ema_beta).add_((1 - p.ema_beta) * w.repeat_interleave(K, 0))
-    logits, _ = net(g_fedgr, x.expand(S, -1, -1))  # (S, N, C): the received global model on every local sample
-    fed.loss_sum += F.cross_entropy(logits.transpose(1, 2), noisy, reduction="none")
+    labels = arm_labels(fed, d)[fed.variants]  # (V, N)
+    logits, _ = net(g_var, x.expand(V, -1, -1))  # (V, N, C): the received global model on every local sample
+    fed.loss_sum += F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+    sniffs = fed.switches()[:, 0]  # (V,): the no_sniff ablation keeps c = 1 and no refined labels
     if r + 1 >= p.sniff_round:
-        for s in range(S):
-            clean, rate = sniff((fed.loss_sum[s] / (r + 1)).numpy(), owner.numpy(), K, p.seed)
-            fed.clean_prob[s] = torch.from_numpy(clean).float()
-            fed.noisy_client[s] = torch.from_numpy(rate >= p.noisy_client_rate)
+        for v in np.flatnonzero(sniffs.numpy()):
+            clean, rate = sniff((fed.loss_sum[v] / (r + 1)).numpy(), owner.numpy(), K, p.seed)
+            fed.clean_prob[v] = torch.from_numpy(clean).float()
+            fed.noisy_client[v] = torch.from_numpy(rate >= p.noisy_client_rate)
     g = torch.Generator().manual_seed(p.seed * 7919 + r)
-    probs = net(g_fedgr, weak_shift(x, d["shape"], g, p.shift_pixels).expand(S, -1, -1))[0].softmax(-1)  # (S, N, C)
+    probs = net(g_var, weak_shift(x, d["shape"], g, p.shift_pixels).expand(V, -1, -1))[0].softmax(-1)  # (V, N, C)
     conf, pred = probs.max(-1)
-    fed.refined.copy_(torch.where(conf > p.conf_threshold, pred, -1))
+    fed.refined.copy_(torch.where((conf > p.conf_threshold) & sniffs[:, None], pred, -1))
 
 
 # ---- local losses -------------------------------------------------------------------------------------------
@@ -422,11 +507,13 @@ def small_loss_mask(loss: torch.Tensor, forget: torch.Tensor) -> torch.Tensor:
     return rank < (b - (forget * b).round())[..., None]
 
 
-def fedgr_loss(logits, emb, logits_g, emb_g, logits_e, y, clean, refined, noisy_client, p: Params, sniffing: bool):
-    """FedGR's local objective per network. logits (S, K, B, C), emb (S, K, B, H); returns (S, K) and parts."""
+def fedgr_loss(logits, emb, logits_g, emb_g, logits_e, y, clean, refined, noisy_client, on, p: Params,
+               sniffing: bool):
+    """FedGR's local objective per network. logits (V, K, B, C), emb (V, K, B, H); `on` (V, 3) switches the three
+    modules per arm (an ablation's switched-off module contributes exactly 0); returns (V, K) and the parts."""
     if not sniffing:  # warm-up rounds: plain FedAvg training of the same network
         return ce(logits, y).mean(-1), (ce(logits, y).mean(-1).detach(), torch.zeros(()), torch.zeros(()))
-    has = refined >= 0  # (S, K, B)
+    has = refined >= 0  # (V, K, B)
     mixed = clean * ce(logits, y) + (1 - clean) * ce(logits, refined)
     l_ref = torch.where(noisy_client[..., None], ce(logits, refined), mixed)
     l_ref = l_ref.sum(-1) / torch.where(noisy_client, has.sum(-1), y.shape[-1]).clamp(min=1)
@@ -434,6 +521,7 @@ def fedgr_loss(logits, emb, logits_g, emb_g, logits_e, y, clean, refined, noisy_
     l_ema = (target * (target.clamp_min(1e-12).log() - logits.log_softmax(-1))).sum(-1).mean(-1)
     q = (emb_g / p.rep_tau).softmax(-1)
     l_rep = (q * (q.clamp_min(1e-12).log() - (emb / p.rep_tau).log_softmax(-1))).sum(-1).mean(-1)
+    l_ema, l_rep = l_ema * on[:, 1, None], l_rep * on[:, 2, None]  # (V, K)
     return l_ref + p.lambda_ema * l_ema + p.lambda_rep * l_rep, (l_ref, l_ema, l_rep)
 
 
@@ -447,14 +535,21 @@ def _reset_optimizer(engine) -> None:
 def train(ctx) -> None:
     p: Params = ctx.params
     d = _load(ctx.data_dir)
-    S, K, n_train = len(d["settings"]), d["K"], len(d["true"])
+    K, n_train = d["K"], len(d["true"])
     first = d["shape"][0] if p.arch == "cnn" else d["x"].shape[1]  # input channels / flattened pixels
-    fed = Federation(S, K, (first, *p.hidden, d["classes"]), n_train, p.rounds, p.seed, p.arch)
+    fed = Federation(arms(d["settings"], p.ablations, p.clean_reference), K, (first, *p.hidden, d["classes"]),
+                     n_train, p.rounds, p.seed, p.arch)
+    F_, V = fed.F, len(fed.variants)
     engine = ctx.engine(fed, p.lr)
     data = {k_: v.to(ctx.device) if torch.is_tensor(v) else v for k_, v in d.items()}
+    labels = arm_labels(fed, data)  # (F, N)
     members = [torch.nonzero(d["owner"] == k)[:, 0] for k in range(K)]
     members = [m if len(m) else torch.arange(n_train) for m in members]  # an empty client trains on weight 0
-    gi = {name: i for i, name in enumerate(GROUPS)}
+    plain = fed.index("fedavg") + fed.index("fedprox") + fed.index(CLEAN)  # CE on their labels
+    prox, sce_i, cot_a, cot_b = fed.index("fedprox"), fed.index("sce"), fed.index("cot_a"), fed.index("cot_b")
+    cot_ratio = data["ratio"][[fed.arms[f].setting for f in cot_a]]  # (n_cot, K): true noise ratios (oracle)
+    on = fed.switches()  # (V, 3)
+    main = [i for i, f in enumerate(fed.variants) if fed.arms[f].method == "fedgr"]  # full FedGR among the V
 
     def batch_fn(step: int) -> dict[str, torch.Tensor]:
         r, j = divmod(step, p.local_steps)
@@ -471,47 +566,49 @@ def train(ctx) -> None:
         module = engine.module
         if j == 0:
             server_round(module, r, data, p, lambda: _reset_optimizer(engine))
-        with torch.no_grad():  # mean-teacher step of FedGR's EMA teachers toward the local models
-            for e, w in zip(module.weights("ema"), module.weights("local"), strict=True):
-                e.lerp_(_groups(w, module)[:, gi["fedgr"]].flatten(0, 1), 1 - p.ema_local_momentum)
+        local = [_clients(w, module) for w in module.weights("local")]  # (F, K, ...)
+        with torch.no_grad():  # mean-teacher step of the EMA teachers toward the local models
+            for e, w in zip(module.weights("ema"), local, strict=True):
+                e.lerp_(w[module.variants].flatten(0, 1), 1 - p.ema_local_momentum)
         idx = batch["idx"].T  # (K, b)
         x = data["x"][idx]  # (K, b, D)
-        logits, emb = engine(x.expand(S * len(GROUPS), -1, -1, -1).flatten(0, 1))  # (S G K, b, C), (S G K, b, H)
-        logits, emb = _groups(logits, module), _groups(emb, module)  # (S, G, K, b, ...)
-        y = data["noisy"][:, idx]  # (S, K, b)
-        losses = {name: ce(logits[:, gi[name]], y).mean(-1) for name in ("fedavg", "fedprox")}  # (S, K)
-        losses["sce"] = sce_loss(logits[:, gi["sce"]], y).mean(-1)
-        prox = sum(((_groups(w, module)[:, gi["fedprox"]] - _groups(gw, module, False)[:, gi["fedprox"], None]) ** 2)
-                   .flatten(2).sum(-1) for w, gw in zip(module.weights("local"), module.weights("glob"), strict=True))
-        losses["fedprox"] = losses["fedprox"] + p.prox_mu / 2 * prox
-        la, lb = ce(logits[:, gi["cot_a"]], y), ce(logits[:, gi["cot_b"]], y)  # (S, K, b)
-        forget = data["ratio"] * min(r / 5, 1.0)  # (S, K): Co-teaching's ramped forget rate
+        logits, emb = engine(x.expand(F_, -1, -1, -1).flatten(0, 1))  # (F K, b, C), (F K, b, H)
+        logits, emb = _clients(logits, module), _clients(emb, module)  # (F, K, b, ...)
+        y = labels[:, idx]  # (F, K, b)
+        per = torch.zeros(F_, K)  # every arm's loss per client
+        per[plain] = ce(logits[plain], y[plain]).mean(-1)
+        per[sce_i] = sce_loss(logits[sce_i], y[sce_i]).mean(-1)
+        gw = module.weights("glob")
+        per[prox] += p.prox_mu / 2 * sum(((w[prox] - g_[prox, None]) ** 2).flatten(2).sum(-1)
+                                         for w, g_ in zip(local, gw, strict=True))
+        la, lb = ce(logits[cot_a], y[cot_a]), ce(logits[cot_b], y[cot_b])  # (n_cot, K, b)
+        forget = cot_ratio * min(r / 5, 1.0)  # Co-teaching's ramped forget rate
         keep_a, keep_b = small_loss_mask(lb.detach(), forget), small_loss_mask(la.detach(), forget)  # peer picks
-        losses["coteaching"] = (la * keep_a).sum(-1) / keep_a.sum(-1).clamp(min=1) + \
-            (lb * keep_b).sum(-1) / keep_b.sum(-1).clamp(min=1)
+        per[cot_a] = (la * keep_a).sum(-1) / keep_a.sum(-1).clamp(min=1)
+        per[cot_b] = (lb * keep_b).sum(-1) / keep_b.sum(-1).clamp(min=1)
+        vi = module.variants
         with torch.no_grad():
-            glob = [_groups(w, module, False)[:, gi["fedgr"]].repeat_interleave(K, 0) for w in module.weights("glob")]
-            lg, eg = net(glob, x.repeat(S, 1, 1))  # (S K, b, C): the global model on the same inputs
-            le, _ = net(module.weights("ema"), x.repeat(S, 1, 1))  # (S K, b, C): the EMA teacher
-        view = lambda t: t.view(S, K, *t.shape[1:])  # noqa: E731
-        settings = torch.arange(S)[:, None, None]
-        losses["fedgr"], parts = fedgr_loss(
-            logits[:, gi["fedgr"]], emb[:, gi["fedgr"]], view(lg), view(eg), view(le), y,
-            module.clean_prob[settings, idx[None]], module.refined[settings, idx[None]],
-            module.noisy_client, p, sniffing=r + 1 >= p.sniff_round)
-        total = sum(v.sum() for v in losses.values())
-        metrics = {f"{k_}_loss": float(v.detach().mean()) for k_, v in losses.items()}
-        metrics |= {f"fedgr_{k_}": float(v.detach().mean())
+            glob = [w[vi].repeat_interleave(K, 0) for w in gw]
+            lg, eg = net(glob, x.repeat(V, 1, 1))  # (V K, b, C): the global model on the same inputs
+            le, _ = net(module.weights("ema"), x.repeat(V, 1, 1))  # (V K, b, C): the EMA teacher
+        view = lambda t: t.view(V, K, *t.shape[1:])  # noqa: E731
+        per[vi], parts = fedgr_loss(logits[vi], emb[vi], view(lg), view(eg), view(le), y[vi],
+                                    module.clean_prob[:, idx], module.refined[:, idx], module.noisy_client, on, p,
+                                    sniffing=r + 1 >= p.sniff_round)
+        metrics = {f"{m}_loss": float(per[module.index(m)].detach().mean())
+                   for m in dict.fromkeys(a.method for a in module.arms)}
+        metrics |= {f"fedgr_{k_}": float(v.detach()[main].mean()) if v.dim() else 0.0  # full FedGR's parts
                     for k_, v in zip(("refine", "ema", "rep"), parts, strict=True)}
-        return total, metrics
+        return per.sum(), metrics
 
-    ctx.progress(f"phase federated: {S} settings x {len(GROUPS)} groups x {K} clients = {S * len(GROUPS) * K} MLPs "
-                 f"in lock-step, {p.rounds} rounds x {p.local_steps} local steps")
+    ctx.progress(f"phase federated: {F_} federations x {K} clients = {F_ * K} networks in lock-step, "
+                 f"{p.rounds} rounds x {p.local_steps} local steps")
     ctx.fit("federated", engine, step_fn, batch_fn, p.rounds * p.local_steps)
     server_round(fed, p.rounds, data, p, lambda: _reset_optimizer(engine))  # aggregate the last round
     if ctx.rank == 0:
         keep = ("test_acc", "mem_global", "mem_local", "loss_sum", "clean_prob", "refined", "noisy_client")
-        torch.save({k_: getattr(fed, k_).cpu() for k_ in keep} | {"rounds": p.rounds}, ctx.out_dir / "records.pt")
+        torch.save({k_: getattr(fed, k_).cpu() for k_ in keep} | {"rounds": p.rounds, "arms": fed.arms},
+                   ctx.out_dir / "records.pt")
         glob = {k_: v.cpu() for k_, v in fed.state_dict().items() if k_.startswith("glob")}
         torch.save(glob, ctx.out_dir / "global.pt")
 
@@ -522,54 +619,66 @@ def _f1(flagged: np.ndarray, truth: np.ndarray) -> float:
     return 2 * tp / max(float(flagged.sum() + truth.sum()), 1.0)
 
 
+def refine_scores(refined: np.ndarray, noisy: np.ndarray, true: np.ndarray) -> tuple[float, float]:
+    """Precision of the refined labels (share correct among samples that have one) and their recall (share of the
+    mislabelled samples whose refined label is the true one). refined -1 = none; true -1 = unknown (skipped)."""
+    known = true >= 0
+    has, mislabeled = (refined >= 0) & known, (noisy != true) & known
+    precision = float((refined[has] == true[has]).mean()) if has.any() else 0.0
+    return precision, float(((refined == true) & mislabeled).sum() / max(mislabeled.sum(), 1))
+
+
 def evaluate(ctx) -> dict[str, float]:
     rec = torch.load(ctx.out_dir / "records.pt", weights_only=False)
     d = _load(ctx.data_dir)
-    gi = {name: i for i, name in enumerate(GROUPS)}
+    arm_list = [Arm(*a) for a in rec["arms"]]
+    where = {(a.setting, a.method): f for f, a in enumerate(arm_list)}
+    variants = [f for f, a in enumerate(arm_list) if a.method in VARIANTS]
+    acc = rec["test_acc"].numpy()  # (R, F)
     cols = {"method": "fedgr", **{b: ("cot_a" if b == "coteaching" else b) for b in BASELINES}}
-    known = (d["true"] >= 0).numpy()
-    per, detail = {}, {}
+    true = d["true"].numpy()
+    known = true >= 0
+    out, per = {}, {}
     for s, name in enumerate(d["settings"]):
-        acc = rec["test_acc"][:, s].numpy()  # (R, G)
-        for who, group in cols.items():
+        for who, method in cols.items():
             prefix = "method/" if who == "method" else f"baseline/{who}/"
-            per.setdefault(f"{prefix}test_acc", []).append(acc[-1, gi[group]])
-            per.setdefault(f"{prefix}best_test_acc", []).append(acc[:, gi[group]].max())
-            detail[f"detail/{name}/{who}/test_acc"] = float(acc[-1, gi[group]])
-        noisy_lab, true = d["noisy"][s].numpy(), d["true"].numpy()
+            f = where[(s, method)]
+            out[f"{prefix}test_acc_{name}"] = float(acc[-1, f])
+            per.setdefault(f"{prefix}test_acc", []).append(acc[-1, f])
+            per.setdefault(f"{prefix}best_test_acc", []).append(acc[:, f].max())
+        for ab in ABLATIONS:
+            if (s, f"fedgr_{ab}") in where:
+                out[f"ablation/{ab}/test_acc_{name}"] = float(acc[-1, where[(s, f"fedgr_{ab}")]])
+        noisy_lab = d["noisy"][s].numpy()
         mislabeled = (noisy_lab != true) & known
-        flagged = rec["clean_prob"][s].numpy() < 0.5
-        refined = rec["refined"][s].numpy()
-        has = (refined >= 0) & known
-        metrics = {"detect_f1": _f1(flagged[known], mislabeled[known]),
-                   "refine_precision": float((refined[has] == true[has]).mean()) if has.any() else 0.0,
-                   "refine_recall": float(((refined == true) & mislabeled).sum() / max(mislabeled.sum(), 1))}
-        for k_, v in metrics.items():
-            per.setdefault(f"method/{k_}", []).append(v)
-            detail[f"detail/{name}/method/{k_}"] = v
+        v = variants.index(where[(s, "fedgr")])
+        flagged = rec["clean_prob"][v].numpy() < 0.5
+        precision, recall = refine_scores(rec["refined"][v].numpy(), noisy_lab, true)
+        for k_, val in {"detect_f1": _f1(flagged[known], mislabeled[known]), "refine_precision": precision,
+                        "refine_recall": recall}.items():
+            per.setdefault(f"method/{k_}", []).append(val)
+            out[f"method/{k_}_{name}"] = val
         mem_g, mem_l = rec["mem_global"][:, s].numpy(), rec["mem_local"][:, s].numpy()  # (R,), (R, K)
         auc_l = np.nanmean(mem_l, 0)  # (K,) per-client area (mean over rounds)
         any_noise = bool(mislabeled.any())  # no noisy label at all (rho = 0): nothing to memorise
         per.setdefault("baseline/fedavg/mem_auc_global", []).append(float(np.nanmean(mem_g)) if any_noise else 0.0)
         per.setdefault("baseline/fedavg/mem_auc_local", []).append(float(np.nanmean(auc_l)) if any_noise else 0.0)
-        _curves(ctx.plots_dir / f"test_acc_{name}.png", {w: acc[:, gi[g]] for w, g in cols.items()},
-                "test accuracy of the global model", f"{name}: test accuracy per round")
+        curves = {w: acc[:, where[(s, m)]] for w, m in cols.items()}
+        curves |= {ab: acc[:, where[(s, f"fedgr_{ab}")]] for ab in ABLATIONS if (s, f"fedgr_{ab}") in where}
+        if (-1, CLEAN) in where:
+            curves["fedavg, clean labels"] = acc[:, where[(-1, CLEAN)]]
+        _curves(ctx.plots_dir / f"test_acc_{name}.png", curves, "test accuracy of the global model",
+                f"{name}: test accuracy per round")
         _curves(ctx.plots_dir / f"memorisation_{name}.png",
                 {"global": mem_g, **{f"client {k}": mem_l[:, k] for k in range(mem_l.shape[1])}},
                 "share predicted as the noisy label", f"{name}: memorisation of noisy labels (FedAvg)")
-        loss_mean = rec["loss_sum"][s].numpy() / (rec["rounds"] + 1)
+        loss_mean = rec["loss_sum"][v].numpy() / (rec["rounds"] + 1)
         if mislabeled.any() and (~mislabeled).any():
             split_histogram(ctx.plots_dir / f"loss_proxy_{name}.png", loss_mean[known], mislabeled[known],
                             ("clean", "mislabeled"), "running-mean CE of the global model", f"{name}: loss proxies")
-    out = {k_: float(np.mean(v)) for k_, v in per.items()}
-    # the setting where FedGR's margin over its best baseline is smallest: one verdict covering every setting
-    margins = [detail[f"detail/{n}/method/test_acc"] - max(detail[f"detail/{n}/{b}/test_acc"] for b in BASELINES)
-               for n in d["settings"]]
-    worst = d["settings"][int(np.argmin(margins))]
-    for who in cols:
-        prefix = "method/" if who == "method" else f"baseline/{who}/"
-        out[f"{prefix}test_acc_worst_setting"] = detail[f"detail/{worst}/{who}/test_acc"]
-    return out | detail
+    if (-1, CLEAN) in where:
+        out[f"baseline/{CLEAN}/test_acc"] = float(acc[-1, where[(-1, CLEAN)]])
+    return {k_: float(np.mean(v)) for k_, v in per.items()} | out
 
 
 def _curves(path: Path, curves: dict[str, np.ndarray], ylabel: str, title: str) -> None:
@@ -596,10 +705,20 @@ PAPER = Paper(
     train=train,
     evaluate=evaluate,
     primary=("method/test_acc", "max"),
-    claim=Claim(all_of=(
-        Compare("baseline/fedavg/mem_auc_global", "<", "baseline/fedavg/mem_auc_local"),
-        Compare("method/test_acc_worst_setting", ">",
-                tuple(f"baseline/{b}/test_acc_worst_setting" for b in BASELINES)),
-    ), summary="the FedAvg global model memorises noisy labels less than local models, and FedGR's final test "
-               "accuracy beats every baseline in every noise setting (checked in the setting of its smallest margin)"),
+    claim=Claim(
+        premises=(  # the task is learnt at all: FedAvg on the true labels, same model, data, rounds and budget
+            Compare(f"baseline/{CLEAN}/test_acc", ">", CLEAN_BAR, name="fedavg_learns_clean_labels"),
+        ),
+        all_of=(
+            Compare("baseline/fedavg/mem_auc_global", "<", "baseline/fedavg/mem_auc_local"),
+            *(Compare(f"method/test_acc_{s}", ">", tuple(f"baseline/{b}/test_acc_{s}" for b in BASELINES))
+              for s in SETTINGS),
+            *(Compare("method/test_acc_severe", ">", f"ablation/{ab}/test_acc_severe") for ab in ABLATIONS),
+        ),
+        context=(Compare("method/refine_recall_severe", ">", RECALL_BAR),),
+        summary="the FedAvg global model memorises noisy labels less than local models; FedGR's final test accuracy "
+                "beats every baseline in each noise setting; and each single-module ablation (no sniffing/refining, "
+                "no EMA distillation, no representation loss) is below full FedGR in the severe setting",
+        note="4 of the paper's 8 baselines; module ablations in the severe setting only",
+    ),
 )
