@@ -54,9 +54,26 @@ class Square(nn.Module):
 def test_skd_curvature_known_values():
     f = torch.tensor([1.5, -0.3, 0.7]).view(1, 3, 1, 1)
     y = torch.zeros(1, 1, 1, dtype=torch.long)
-    assert m.skd_curvature(Square(), f, y, 2, 0.1).item() == pytest.approx(1.0, rel=1e-3)
+    # m = 0.5 f0^2 along u = e0: second difference eps^2 = 0.01, first 2 eps f0 = 0.3 -> (0.01 / 0.3)^2 = 1/900
+    assert m.skd_curvature(Square(), f, y, 2, 0.1).item() == pytest.approx(1 / 900, rel=1e-3)
+    assert m.skd_curvature(Square(), f, y, 2, 0.2).item() == pytest.approx(4 / 900, rel=1e-3)  # (eps m'' / 2m')^2
     linear = nn.Conv2d(3, 2, 1)
-    assert m.skd_curvature(linear, f, y, 2, 0.1).item() == pytest.approx(0.0, abs=1e-4)
+    assert m.skd_curvature(linear, f, y, 2, 0.1).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_skd_curvature_is_invariant_to_the_logit_scale():
+    """The spec's raw [.]^2 / eps^4 grows as the logits' scale squared (and a flat head minimises it); the
+    normalised term does not move when the head's logits are scaled, so shrinking them cannot lower it."""
+    torch.manual_seed(0)
+    head = nn.Sequential(nn.Conv2d(6, 6, 1), nn.GELU(), nn.Conv2d(6, 4, 1)).double()
+    f, y = torch.randn(2, 6, 5, 5, dtype=torch.float64), torch.randint(0, 4, (2, 5, 5))
+    base = m.skd_curvature(head, f, y, 4, 0.1)
+    assert 0 < base.item() < 0.1
+    scale = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
+    scaled = m.skd_curvature(lambda h: scale * head(h), f, y, 4, 0.1)
+    assert scaled.item() == pytest.approx(base.item(), rel=1e-9)
+    (grad,) = torch.autograd.grad(scaled, scale)
+    assert abs(grad.item()) * 3.0 < 1e-9 * base.item()  # no gradient towards a flatter (smaller-logit) head
 
 
 def test_unbiased_kd():
@@ -145,3 +162,71 @@ def test_deeplabv3_shapes_and_a_torchvision_format_backbone_checkpoint(tmp_path)
         m.load_backbone(m.DeepLabV3(3, depth=101, width=4), tmp_path / "resnet50.pth")
     p = m.Params(arch="deeplabv3", backbone_depth=50, width=4, backbone_weights=str(tmp_path / "resnet50.pth"))
     assert torch.equal(m.segmenter(p).conv1.weight, donor.conv1.weight)
+
+
+def test_grids_need_equal_selection_effort():
+    p = m.Params(arms=["base", "ldka"], grid={"lambda_kd": [1, 5, 25], "lambda_skd": [0, 10, 100]})
+    assert m.candidates(p, "base") == [1, 5, 25] and m.candidates(p, "ldka") == [0, 10, 100]
+    assert m.candidates(m.Params(arms=["base", "finetune"], grid={"lambda_kd": [1, 5]}), "finetune") == [None]
+    assert set(m.net_names(p)) == {f"{a}_c{k}_s{s}" for a in ("base", "ldka") for k in range(3) for s in range(2)}
+    with pytest.raises(ValueError, match="equal selection effort"):
+        m.Params(arms=["base", "ldka"], grid={"lambda_kd": [1, 5, 25], "lambda_skd": [0, 10]})
+    with pytest.raises(ValueError, match="equal selection effort"):
+        m.Params(arms=["base", "ldka"], grid={"lambda_kd": [1, 5]})  # LDKA's own weight must be tuned as well
+
+
+def _tiny(tmp_path):
+    """A tiny world and a models.pt of untrained networks (each candidate its own random init)."""
+    from models.common.lockstep import LockStep
+
+    p = m.Params(n_train=12, n_val=6, n_test=6, n_seeds=1, width=4, arms=["base", "ldka"],
+                 grid={"lambda_kd": [1, 5, 25], "lambda_skd": [0, 10, 100]})
+    m.prepare(p, tmp_path)
+    torch.manual_seed(0)
+    first = LockStep({"s0": m.UNet(4, 8)})
+    final = LockStep({name: m.UNet(4, 8) for name in m.net_names(p)})
+    for net in final.nets.values():  # distinct predictions per candidate: shift the running statistics
+        for bn in (mod for mod in net.modules() if isinstance(mod, nn.BatchNorm2d)):
+            bn.running_mean.normal_(0, 0.5)
+    torch.save({"4-2/step0": first.state_dict(), "4-2/final": final.state_dict()}, tmp_path / "models.pt")
+    from types import SimpleNamespace
+
+    ctx = SimpleNamespace(params=p, data_dir=tmp_path, out_dir=tmp_path, plots_dir=tmp_path)
+    with torch.no_grad():
+        x = m._load(tmp_path, p)
+        preds = {n: {pool: net.eval()(x[f"x_{pool}"])[0].argmax(1) for pool in ("val", "test")}
+                 for n, net in final.nets.items()}
+    return p, ctx, preds
+
+
+def _relabel(tmp_path, pool, masks):
+    from models.common.tables import read_table, write_table
+
+    imgs, table = read_table(tmp_path / "images.parquet"), read_table(tmp_path / "masks.parquet")
+    mask = table["mask"].copy()
+    mask[imgs["pool"] == pool] = masks.reshape(len(masks), -1).numpy().astype(np.uint8)
+    write_table(tmp_path / "masks.parquet", {"img_id": table["img_id"], "mask": mask})
+
+
+def test_selection_reads_the_validation_split_not_the_test_split(tmp_path):
+    p, ctx, preds = _tiny(tmp_path)
+    # validation labels = candidate 2's predictions: the selection must keep lambda 25 (base) and 100 (LDKA)
+    _relabel(tmp_path, "val", preds["base_c2_s0"]["val"])
+    assert m.evaluate(ctx)["detail/base/chosen_lambda_kd"] == 25
+    _relabel(tmp_path, "val", preds["ldka_c2_s0"]["val"])
+    out = m.evaluate(ctx)
+    assert out["detail/ldka/chosen_lambda_skd"] == 100 and out["method/val_miou"] == pytest.approx(1.0)
+    # test labels = candidate 0's predictions (test mIoU 1 for it): the choice stays with validation ...
+    _relabel(tmp_path, "test", preds["ldka_c0_s0"]["test"])
+    again = m.evaluate(ctx)
+    assert again["detail/ldka/chosen_lambda_skd"] == 100 and again["method/all_miou"] < 1.0
+    # ... and the premise metric reads the lambda_skd = 0 candidate, whichever was chosen
+    assert "detail/ldka_lambda0/forgetting" in again and "detail/step0_old_miou" in again
+
+
+def test_prepare_writes_disjoint_validation_split(tmp_path):
+    from models.common.tables import read_table
+
+    m.prepare(m.Params(n_train=10, n_val=4, n_test=3), tmp_path)
+    pools = read_table(tmp_path / "images.parquet")["pool"]
+    assert [(pools == k).sum() for k in ("train", "val", "test")] == [10, 4, 3]
