@@ -161,3 +161,58 @@ def test_norman_h5ad_loader(tmp_path):
         del f["layers"]
     with pytest.raises(ValueError, match="not raw counts"):
         pv.load_norman_h5ad(tmp_path / "gears.h5ad")
+
+
+def test_elbo_per_gene_known_value_and_invariance_to_gene_count():
+    nll, kl = torch.tensor([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]]), torch.tensor([6.0, 0.0])
+    assert torch.isclose(pv.elbo_per_gene(nll, kl, warm=0.5, prior=3.0), torch.tensor((6.0 + 0.5 * 3.0 + 3.0) / 3))
+    # the same cells on a panel tiled 4x: the likelihood part per gene is unchanged (the summed one grows 4x)
+    tiled = nll.repeat(1, 4)
+    zero = torch.zeros(2)
+    assert torch.isclose(pv.elbo_per_gene(tiled, zero), pv.elbo_per_gene(nll, zero))
+    assert torch.isclose(tiled.sum(-1).mean(), 4 * nll.sum(-1).mean())
+
+
+@pytest.mark.parametrize("arm", ["pvae", "cpa", "cvae"])
+def test_every_arm_trains_on_the_per_gene_scale(arm):
+    """At initialisation a panel 10x larger gives a loss of the same size (a summed likelihood would be ~10x)."""
+    p = pv.Params(lambda_adv=0.0, lambda_l0=0.0, lambda_a=0.0)
+    losses = []
+    for genes in (30, 300):
+        torch.manual_seed(0)
+        net = {"pvae": pv.PerturbedVAE, "cpa": pv.CPAStyle, "cvae": pv.CondVAE}[arm](genes, 3, 4, 16, p)
+        x = torch.poisson(torch.full((64, genes), 3000.0 / genes))
+        batch = {"x": x, "P": torch.zeros(64, 3), "cond": torch.zeros(64, dtype=torch.long),
+                 "step": torch.full((64,), 10**6)}
+        losses.append(float(net(batch).detach()))
+    assert 0.5 < losses[1] / losses[0] < 2.0
+
+
+def test_probe_reads_a_latent_that_carries_the_condition_and_not_noise():
+    rng = np.random.default_rng(0)
+    labels = np.repeat(np.array(["ctrl", "a", "b", "c"]), 100)
+    carrying = rng.standard_normal((400, pv.D_P)) + 3.0 * (labels[:, None] == np.array(["a", "b", "c", "x"] * 2))
+    acc, chance = pv.probe_accuracy(carrying, labels, seed=0)
+    assert chance == 0.25 and acc > 0.9
+    acc, _ = pv.probe_accuracy(rng.standard_normal((400, pv.D_P)), labels, seed=0)
+    assert acc < 0.4
+
+
+def test_sweep_world_is_the_same_draw_at_another_rho(tmp_path):
+    p = pv.Params(genes=30, singles=3, doubles=2, cells=300, sweep_rho=[0.5])
+    assert pv.sweep_worlds(p) == {0.5: "rho_0.5", 0.9: ""}
+    assert pv.sweep_worlds(p.model_copy(update={"dataset": "norman_h5ad"})) == {0.5: "rho_0.5", 0.9: "rho_0.9"}
+    pv.prepare(p, tmp_path)
+    worlds = pv._worlds(p, tmp_path)
+    main, low = worlds[""], worlds["rho_0.5/"]
+    assert (main["names"] == low["names"]).all() and (main["mask_true"] == low["mask_true"]).all()
+    assert not torch.equal(main["x"], low["x"])  # the counts differ: only the dominance changed
+    model = pv.build(worlds, p)
+    assert set(model.nets) == {"pvae", "cpa", "cvae", "no_mask", "no_adv", "pvae_rho50", "cvae_rho50"}
+    seen = {}
+    for name in ("cvae", "cvae_rho50"):
+        model.nets[name].forward = lambda batch, name=name: seen.setdefault(name, batch["x"]).sum()
+    batch = {"x": torch.zeros(2, 30), "rho_0.5/x": torch.ones(2, 30)}
+    model.nets = torch.nn.ModuleDict({k: model.nets[k] for k in ("cvae", "cvae_rho50")})
+    model(batch)
+    assert seen["cvae"].sum() == 0 and seen["cvae_rho50"].sum() == 60  # each arm reads its own world's batch
