@@ -123,21 +123,45 @@ def test_a_phase_trains_only_its_arms_and_leaves_branches_exactly_unchanged():
     opt = torch.optim.AdamW(arms.parameters(), lr=0.1, weight_decay=0.0)
     for name, q in arms.named_parameters():
         q.requires_grad_(name.startswith(sk.TRAINABLE["crd"]))
-    assert all(q.requires_grad for q in arms["skel"].parameters())
-    assert not any(q.requires_grad for a in ("frozen", "nocrd") for q in arms[a].parameters())
+    assert all(q.requires_grad for a in sk.SCHEDULE["crd"] if a != "vq" for q in arms[a].parameters())
+    assert not any(q.requires_grad for a in ("frozen", "nodft") for q in arms[a].parameters())
     assert not any(q.requires_grad for q in arms["vq"].enc.parameters())
     assert arms["vq"].dec.lm.body.tok.weight.requires_grad
     before = {k: v.clone() for k, v in arms.state_dict().items()}
     x = torch.from_numpy(np.stack([_pose(frames=4)] * 2)).float()
     poses = torch.randn(2, 4, 75)
     ids, tgt = torch.tensor([[3, 4, 5, 6]] * 2), torch.tensor([[0, 0, 1, 1.0]] * 2)
-    loss = sum(arms[a].dec.loss(arms[a].prefix(x, poses, sk.format_table("A")), ids, tgt) for a in sk.SCHEDULE["crd"])
-    loss = loss + arms["nocrd"].dec.loss(arms["nocrd"].prefix(x, poses, sk.format_table("A")), ids, tgt)
-    loss.backward()
+    loss = sum(arms[a].dec.loss(arms[a].prefix(x, poses, sk.format_table("A")), ids, tgt) for a in arms)
+    loss.backward()  # every arm's loss, but only the phase's parameters have gradients
     opt.step()
     after = arms.state_dict()
     for k in after:
-        assert torch.equal(after[k], before[k]) != k.startswith(("skel.", "feature.", "vq.dec.")), k
+        assert torch.equal(after[k], before[k]) != k.startswith(("skel.", "feature.", "vq.dec.", "nocrd.")), k
+
+
+def test_every_ablation_trains_as_many_steps_on_the_same_prompts_as_its_method():
+    """No-CRD sees the same "why" prompts, statements and answers as CRD, only answer first; no-DFT trains the DFT
+    phase too, on the same recognition prompts (issue 24: the no-CRD arm used to see no "why" prompt at all)."""
+    facts, answer = "left wrist above head ; left hand moves side to side", "wave left hand"
+    crd, post = sk.why_texts(facts, answer)
+    assert crd.split()[:2] == post.split()[:2] == ["why", ":"]
+    assert sorted(crd.split()) == sorted(post.replace("because", "so").split())  # same words, same target length
+    assert crd.index("so wave") > crd.index("side to side") and post.index("because") > post.index(answer)
+    assert sk.reasoning(crd[6:-6], facts) == sk.reasoning(post[6:-6], facts) == 1.0  # both orders are scored alike
+    tasks = {(ph, a): sk.ARM_TASKS.get((ph, a), sk.TASKS[ph]) for ph in sk.SCHEDULE for a in sk.SCHEDULE[ph]}
+    for ph in ("crd", "dft"):  # no-CRD replaces exactly CRD's task by the post-hoc order, in both phases
+        assert "nocrd" in sk.SCHEDULE[ph] and "nocrd." in sk.TRAINABLE[ph]
+        assert [t if t != "post" else "crd" for t in tasks[ph, "nocrd"]] == list(tasks[ph, "skel"])
+    assert "nodft" in sk.SCHEDULE["dft"] and "nodft" not in sk.DFT_ARMS and "skel" in sk.DFT_ARMS
+    assert set(tasks["dft", "nodft"]) == {*tasks["dft", "skel"], "rec"}
+
+
+def test_smoke_profile_tests_on_more_than_60_sequences():
+    from models import registry
+    from tasks import settings
+
+    p = registry.resolve("skeleton_llm", "smoke", None, settings.params_file())
+    assert p.n_test > 60 and p.replicates >= 3
 
 
 def test_bleu4_and_reasoning_known_values():
@@ -209,3 +233,18 @@ def test_baselines_read_each_joint_in_the_same_slot_in_every_format():
         for k, name in enumerate(JOINT_SLOTS):
             expected = coords[name] if name in present else torch.zeros(3)
             assert torch.equal(slots[fmt][0, 1, k], expected), (fmt, name)
+
+
+def test_greedy_decoding_reads_words_only_not_motion_codes():
+    """The VQ arm's vocabulary ends in motion codes; a caption or rationale is decoded over the words alone."""
+    vocab = sk.WordVocab(["describe : a person waves <eos>"])
+    n_words = len(vocab)
+
+    def dec(prefix, ids):  # the highest logit on a motion code, the next on "waves", then "<eos>"
+        logits = torch.zeros(ids.shape[0], ids.shape[1], n_words + 4)
+        logits[..., n_words + 2], logits[..., vocab.stoi["<eos>"]] = 9.0, 1.0
+        logits[:, :, vocab.stoi["waves"]] = torch.where(ids[:, -2:-1] == vocab.stoi["waves"], 0.0, 5.0)
+        return logits
+
+    out = sk.generate(dec, torch.zeros(2, 1, 4), vocab.encode(["describe :"] * 2, 2), vocab, 5)
+    assert out == ["waves", "waves"]
