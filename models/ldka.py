@@ -19,7 +19,7 @@ What it implements (function names in brackets):
   step (see deviations), plus distillation through a Gaussian-perturbed feature f + delta (sigma = 0.1);
 - Misclassification-Aware Decoupling [mad_loss]: EMA competition matrix C_ij (mean softmax mass of class j on
   pixels labelled i, diagonal zeroed, rows normalised) weighting max(0, cos) between batch class prototypes and
-  between classifier weight vectors;
+  between classifier weight vectors, averaged over the classes seen (see deviations);
 - arms: base, LDKA (PML + SKD + MAD); full profile adds fine-tuning (lower bound), joint training (upper bound) and
   single-component ablations [ARMS]; the first step's model is trained once per seed and shared by every arm;
 - selection on a validation split [candidates, select_on_validation]: every arm trains one network per value of its
@@ -43,6 +43,9 @@ Deviations from the paper (choices the abstract left open):
   (a fixed weight means a different strength as the logits grow, and at the earlier 0.05 it acted as 500 on the
   squared differences) and is minimised by a flat head, which predicts background everywhere; the ratio is
   dimensionless, unchanged when the logits are scaled, and both its terms carry gradient.
+- The decoupling loss is divided by the number of classes seen (the spec's sum over pairs grows with it: on the
+  smoke world it outweighed the cross-entropy several times at lambda_mad = 1, and LDKA with lambda_skd = 0 lost
+  more old-class mIoU than the declared premise allows).
 - The head is a per-pixel 2-layer MLP so that m(f) has curvature at the decoder feature (a linear head makes the
   finite-difference curvature vanish almost everywhere).
 - The competition matrix is all-reduced across ranks before its EMA update, so every rank holds the same C.
@@ -407,7 +410,9 @@ def unbiased_kd(new_logits: torch.Tensor, old_logits: torch.Tensor, n_old: int, 
 
 
 def mad_loss(f: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, competition: torch.Tensor) -> torch.Tensor:
-    """sum_{i != j} C_ij max(0, cos(mu_i, mu_j)) over batch prototypes and over classifier weight vectors."""
+    """(1/n) sum_{i != j} C_ij max(0, cos(mu_i, mu_j)) over batch prototypes and over classifier weight vectors:
+    C's rows sum to 1, so each row is a competition-weighted mean cosine and the loss their mean over the n classes
+    seen (in [0, 2]; the spec's plain sum grows with n, so a fixed weight would strengthen at every step)."""
     n = competition.shape[0]
     onehot = F.one_hot(y, n).permute(0, 3, 1, 2).float()  # (B, n, S, S)
     count = onehot.sum((0, 2, 3))  # (n,)
@@ -416,7 +421,7 @@ def mad_loss(f: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, competition
     cos_mu = F.cosine_similarity(mu[:, None], mu[None], dim=-1).clamp(min=0) * present[:, None] * present[None]
     cos_w = F.cosine_similarity(weight[:n, None], weight[None, :n], dim=-1).clamp(min=0)  # (n, n)
     off = 1 - torch.eye(n)
-    return (competition * off * (cos_mu + cos_w)).sum()
+    return (competition * off * (cos_mu + cos_w)).sum() / n
 
 
 def competition_stats(logits: torch.Tensor, y: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

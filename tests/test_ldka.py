@@ -97,12 +97,21 @@ def test_mad_loss_and_competition():
     orthogonal = torch.eye(2)
     assert m.mad_loss(f, y, orthogonal, comp).item() == pytest.approx(0.0)
     same = torch.ones(2, 2)
-    assert m.mad_loss(f, y, same, comp).item() == pytest.approx(2.0)  # cos(w0, w1) = 1, both directions
+    assert m.mad_loss(f, y, same, comp).item() == pytest.approx(1.0)  # cos(w0, w1) = 1, both directions, / 2
     assert m.mad_loss(f, y, same, torch.zeros(2, 2)).item() == 0.0
     logits = torch.tensor([[[[2.0, 0.0]], [[0.0, 2.0]]]])  # (1, 2, 1, 2)
     stats, count = m.competition_stats(logits, y, 2)
     assert torch.allclose(count, torch.ones(2)) and torch.allclose(stats.sum(1), torch.ones(2))
     assert stats[0, 0] > stats[0, 1]
+
+
+def test_mad_loss_does_not_grow_with_the_number_of_classes():
+    """Identical classifier vectors competing uniformly: every row's weighted cosine is 1, so the loss is 1 for any
+    number of classes (the spec's plain sum would be n)."""
+    for n in (3, 6, 9):
+        comp = (torch.ones(n, n) - torch.eye(n)) / (n - 1)
+        f, y = torch.randn(1, 4, 2, 2), torch.zeros(1, 2, 2, dtype=torch.long)  # one class present: no prototype pair
+        assert m.mad_loss(f, y, torch.ones(n, 4), comp).item() == pytest.approx(1.0)
 
 
 def _fixture_pair(img_path, mask_path, value):
