@@ -8,17 +8,18 @@ What it implements (function names in brackets):
   the composition sets the kink (state A) and the extra hinge rotation of state B. Training exposure: intrinsic rows
   show A with probability kappa, induced rows with the context show B only with probability rho_ctx;
 - the shared trunk, the "pair representation" [Trunk]: residue and context-token embeddings (context tokens are
-  extra keys of one attention), outer-product pair features z_ij plus relative positions, 2 axial-attention blocks;
+  extra keys of one attention), outer-product pair features z_ij plus relative positions (clipped at +-32, as in
+  AlphaFold, so a chain of up to 33 residues sees every offset), 2 axial-attention blocks;
 - (a) deterministic AF-like decoder [DetDecoder, classical_mds]: MLP z_ij -> distance (MSE), coordinates by
   classical MDS, MC dropout for the K "seeds";
 - (b) generative BioEmu-like decoder [Denoiser]: DDPM over centred coordinates, an EGNN-lite denoiser conditioned
   on z_ij, 10-step DDIM sampling (models.common.diffusion); (c) the same decoder retrained from scratch on (b)'s
   frozen, cached trunk features with state-balanced weights [balanced_weights];
 - the trivial reference: the nearest training structure by sequence identity [nearest_reference];
-- the evaluation scheme [kabsch_rmsd, scheme_metrics]: K samples per target and context, superposed on both
-  references; multi-state coverage, context flip rate, dominance bias P(nearer A | truth B); linear probes for the
-  true state [probe_accuracy] on mean-pooled trunk pair features and the decoder's last hidden layer; linear CKA of
-  (b)'s and (c)'s pair features [linear_cka];
+- the evaluation scheme [kabsch_rmsd, hit_thresholds, scheme_metrics]: K samples per target and context,
+  superposed on both references; multi-state coverage, context flip rate, dominance bias P(nearer A | truth B);
+  linear probes for the true state [probe_accuracy] on mean-pooled trunk pair features and the decoder's last
+  hidden layer; linear CKA of (b)'s and (c)'s pair features [linear_cka];
 - the full profile's loader of curated assemblies in mmCIF [read_mmcif_ca, load_mmcif_set], tested on a fixture
   of synthetic hinge proteins written as mmCIF by tests/test_promise.py.
 
@@ -39,10 +40,18 @@ Deviations from the paper (choices the abstract left open):
   context always honoured), which should remove (a)'s state loss and (c)'s advantage.
 - `basin_coverage` (not in the claim) relaxes coverage to "some sample nearer each state", to separate state
   selection from accuracy.
+- The hit threshold: the paper's 2 A (full profile, real assemblies) or, with `hit_frac` > 0, a fraction of each
+  target's own A-B RMSD. The smoke and test profiles use 1/3, the spec's 2 A over the middle (6 A) of its 4-8 A
+  band of state separations: a threshold scaled to the synthetic world's conformer spread, below 1/2 so that one
+  sample cannot hit both states. It was fixed from the spec's numbers, before any verdict was read.
+- Premises (the experiment works): some decoder's coverage is off the floor (`detail/best_decoder_coverage` > 0;
+  else findings 1 and 4 cannot show), and every decoder's accuracy whatever the state (`shape_rmsd`, the RMSD to
+  the nearer reference, mean over conditions and samples) beats the trivial nearest-training-structure reference.
+- Finding 3 is shown as claim context, not evidence: on the induced test conditions the true state is "context
+  present", an input token, so a trunk probe reading it is built in.
 
-Known limit at smoke scale: the decoders are trained for a few hundred steps, and whether any of them comes within
-`hit_rmsd` of both states (else coverage is 0 for every system and findings 1 and 4 cannot show) is read from the
-run's `basin_coverage` and RMSD details on the scoreboard, not stated here.
+Known limit at smoke scale: the decoders are trained for a few hundred steps on 2 CPU cores; whether they come
+within the hit threshold of both states is what the premises decide, on the run's numbers (not stated here).
 """
 
 from __future__ import annotations
@@ -101,7 +110,11 @@ class Params(PaperParams):
     batch_size: int = Field(16, ge=2)
     lr: float = Field(2e-3, gt=0)
     k_samples: int = Field(10, ge=1, description="Structures sampled per target and context variant.")
-    hit_rmsd: float = Field(2.0, gt=0, description="A state is hit when a sample's RMSD to it is at most this (A).")
+    hit_rmsd: float = Field(2.0, gt=0, description="A state is hit when a sample's RMSD to it is at most this (A); "
+                                                   "used when hit_frac is 0.")
+    hit_frac: float = Field(0.0, ge=0.0, lt=0.5, description="> 0: a state is hit within this fraction of the "
+                                                             "target's own A-B RMSD instead (below 1/2, so one "
+                                                             "sample never hits both states).")
 
 
 # ---- the synthetic world -----------------------------------------------------------------------------------------
@@ -287,7 +300,7 @@ class AxialBlock(nn.Module):
 class Trunk(nn.Module):
     """Sequence + context tokens -> residue features s (B, L, ds) and the pair representation z (B, L, L, dz)."""
 
-    def __init__(self, d_s: int, d_z: int, max_rel: int = 8, blocks: int = 2):
+    def __init__(self, d_s: int, d_z: int, max_rel: int = 32, blocks: int = 2):
         super().__init__()
         self.max_rel = max_rel
         self.tok = nn.Embedding(PARTNER + 1, d_s, padding_idx=0)
@@ -562,10 +575,21 @@ def _rmsd_to_refs(samples: np.ndarray, ref_a: np.ndarray, ref_b: np.ndarray) -> 
     return np.stack([kabsch_rmsd(samples[:, :m], ref[None, :m]) for ref in (ref_a, ref_b)], 1)
 
 
-def scheme_metrics(rmsd: np.ndarray, mech: np.ndarray, truth: np.ndarray, target: np.ndarray, hit: float) -> dict:
-    """The ProMiSE metrics from (N, K, 2) RMSDs of N test conditions: coverage on intrinsic targets, flip rate on
-    induced targets (majority state of the K samples, with vs without context), dominance P(nearer A | truth B);
-    basin_coverage relaxes coverage to "some sample nearer A and some nearer B" (no accuracy threshold)."""
+def hit_thresholds(ref_a: list[np.ndarray], ref_b: list[np.ndarray], hit_rmsd: float, hit_frac: float) -> np.ndarray:
+    """(N,) hit thresholds (A): `hit_frac` x each target's A-B RMSD when hit_frac > 0, else `hit_rmsd` for all."""
+    if hit_frac <= 0:
+        return np.full(len(ref_a), float(hit_rmsd))
+    return np.array([hit_frac * float(kabsch_rmsd(a, b)) for a, b in zip(ref_a, ref_b, strict=True)])
+
+
+def scheme_metrics(rmsd: np.ndarray, mech: np.ndarray, truth: np.ndarray, target: np.ndarray,
+                   hit: float | np.ndarray) -> dict:
+    """The ProMiSE metrics from (N, K, 2) RMSDs of N test conditions: coverage on intrinsic targets (both states
+    within `hit`, a number or one threshold per condition), flip rate on induced targets (majority state of the K
+    samples, with vs without context), dominance P(nearer A | truth B); basin_coverage relaxes coverage to "some
+    sample nearer A and some nearer B" (no accuracy threshold); shape_rmsd is the mean over conditions and samples
+    of the RMSD to the nearer state (accuracy whatever the state)."""
+    hit = np.broadcast_to(np.asarray(hit, float), rmsd.shape[:1])  # (N,)
     nearer_b = rmsd[..., 1] < rmsd[..., 0]  # (N, K)
     intr, truth_b = mech == "intrinsic", truth == "B"
     vote_b = nearer_b.mean(1) > 0.5  # (N,)
@@ -573,10 +597,12 @@ def scheme_metrics(rmsd: np.ndarray, mech: np.ndarray, truth: np.ndarray, target
              for tid in dict.fromkeys(target[~intr])]
     best = np.where(truth_b, rmsd[..., 1].min(1), rmsd[..., 0].min(1))[~intr]
     both_nearest = nearer_b.any(1) & (~nearer_b).any(1)  # (N,): samples in both basins, however inaccurate
-    return {"coverage": float((rmsd.min(1) <= hit).all(-1)[intr].mean()), "flip_rate": float(np.mean(flips)),
+    hits = (rmsd.min(1) <= hit[:, None]).all(-1)  # (N,): both states within the threshold
+    return {"coverage": float(hits[intr].mean()), "flip_rate": float(np.mean(flips)),
             "basin_coverage": float(both_nearest[intr].mean()),
             "dominance_bias": float(1 - nearer_b[truth_b].mean()),
-            "state_acc": float(np.mean(vote_b[~intr] == truth_b[~intr])), "best_rmsd": float(best.mean())}
+            "state_acc": float(np.mean(vote_b[~intr] == truth_b[~intr])), "best_rmsd": float(best.mean()),
+            "shape_rmsd": float(rmsd.min(-1).mean())}
 
 
 def _pooled(x: torch.Tensor, mask: torch.Tensor) -> np.ndarray:
@@ -635,13 +661,15 @@ def evaluate(ctx) -> dict[str, float]:
         out["nearest"].append(d["refs"][(near, "B" if shown_b > 0.5 else "A")][None])
 
     refs = [(d["refs"][(tid, "A")], d["refs"][(tid, "B")]) for tid in target]
-    metrics, rmsds = {}, {}
+    hit = hit_thresholds([a for a, _ in refs], [b for _, b in refs], p.hit_rmsd, p.hit_frac)  # (N,)
+    metrics, rmsds = {"detail/hit_threshold": float(hit.mean())}, {}
     for name in SYSTEMS:
         per = [_rmsd_to_refs(x, *r) for x, r in zip(out[name], refs, strict=True)]
         rmsds[name] = np.stack([np.resize(r, (p.k_samples, 2)) for r in per])  # (N, K, 2); one structure repeats
         prefix = "method/" if name == "debiased" else f"baseline/{name}/"
-        metrics |= {prefix + key: v for key, v in scheme_metrics(rmsds[name], mech, truth, target,
-                                                                 p.hit_rmsd).items()}
+        metrics |= {prefix + key: v for key, v in scheme_metrics(rmsds[name], mech, truth, target, hit).items()}
+    metrics["detail/best_decoder_coverage"] = max(metrics[k] for k in (
+        "baseline/det/coverage", "baseline/gen/coverage", "method/coverage"))  # premise: the metric is off its floor
 
     # representation analysis: probes fitted on the training targets' induced conditions (truth by the world rule)
     train_conds, _ = _conditions(d, train)
@@ -662,7 +690,7 @@ def evaluate(ctx) -> dict[str, float]:
     metrics["baseline/det/probe_gap"] = metrics["detail/probe/det_trunk_acc"] - out_acc
     metrics["detail/cka_gen_debiased"] = linear_cka(out["gen_trunk"], out["debiased_trunk"])  # 1 = frozen trunk
     metrics["detail/cka_det_gen"] = linear_cka(out["det_trunk"], out["gen_trunk"])
-    _plots(ctx.plots_dir, rmsds, mech, truth, metrics, p.hit_rmsd)
+    _plots(ctx.plots_dir, rmsds, mech, truth, metrics, float(hit.mean()))
     return metrics
 
 
@@ -703,12 +731,20 @@ PAPER = Paper(
     train=train,
     evaluate=evaluate,
     primary=("method/coverage", "max"),
-    claim=Claim(all_of=(
+    claim=Claim(premises=(  # the experiment works: some decoder hits both states, each beats the trivial reference
+        Compare("detail/best_decoder_coverage", ">", 0.0, name="coverage_off_floor"),
+        Compare("baseline/det/shape_rmsd", "<", "baseline/nearest/shape_rmsd", name="det_beats_nearest"),
+        Compare("baseline/gen/shape_rmsd", "<", "baseline/nearest/shape_rmsd", name="gen_beats_nearest"),
+        Compare("method/shape_rmsd", "<", "baseline/nearest/shape_rmsd", name="debiased_beats_nearest"),
+    ), all_of=(
         Compare("baseline/det/coverage", "<", "baseline/gen/coverage"),
         Compare("baseline/det/flip_rate", "<", 0.5),
         Compare("method/coverage", ">", "baseline/gen/coverage"),
     ), context=(  # the probe's label ("context present") is an input token: built in (issue 24)
         Compare("baseline/det/probe_gap", ">=", 0.10),
-    ), summary="deterministic decoding misses states and context; the state is present upstream and lost at "
-               "decoding; debiasing the decoder improves multi-state coverage"),
+    ), note="AF3 and BioEmu stand-ins are small in-pipeline decoders on a synthetic hinge world; smoke's hit "
+            "threshold is 1/3 of each target's A-B RMSD (the spec's 2 A over its 4-8 A band), not 2 A; finding 3 "
+            "is context: its probe label is an input token",
+        summary="deterministic decoding misses states and context; the state is present upstream and lost at "
+                "decoding; debiasing the decoder improves multi-state coverage"),
 )
