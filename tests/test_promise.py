@@ -79,6 +79,44 @@ def test_scheme_metrics_known_values():
     assert m["coverage"] == 0.0
 
 
+def test_hit_thresholds_scale_with_each_targets_state_separation():
+    a, b = pm.fold_states(_seq(16, 8, "intrinsic"), (80.0, 140.0))
+    c, e = pm.fold_states(_seq(24, 12, "intrinsic", seed=1), (80.0, 140.0))
+    sep = np.array([pm.kabsch_rmsd(a, b), pm.kabsch_rmsd(c, e)])
+    assert np.allclose(pm.hit_thresholds([a, c], [b, e], 2.0, 1 / 3), sep / 3)
+    assert np.allclose(pm.hit_thresholds([a, c], [b, e], 2.0, 0.0), [2.0, 2.0])  # hit_frac 0: the paper's 2 A
+    with pytest.raises(ValueError):
+        pm.Params(hit_frac=0.5)  # at 1/2 one structure could hit both states
+
+
+def test_scheme_metrics_per_condition_threshold_and_shape_rmsd():
+    # two intrinsic targets, both sampled 1.5 A from A and from B; separations make the thresholds 1.0 and 2.0 A
+    rmsd = np.array([[[1.5, 6.0], [6.0, 1.5]],
+                     [[1.5, 6.0], [6.0, 1.5]],
+                     [[1.0, 5.0], [1.0, 5.0]],   # induced, truth A
+                     [[5.0, 1.0], [5.0, 3.0]]])  # induced, truth B
+    mech = np.array(["intrinsic", "intrinsic", "ligand", "ligand"])
+    truth, target = np.array(["AB", "AB", "A", "B"]), np.array(["i0", "i1", "l0", "l0"])
+    m = pm.scheme_metrics(rmsd, mech, truth, target, hit=np.array([1.0, 2.0, 9.0, 9.0]))
+    assert m["coverage"] == 0.5  # only the second target's threshold admits 1.5 A
+    assert m["flip_rate"] == 1.0 and m["dominance_bias"] == 0.0
+    assert np.isclose(m["shape_rmsd"], np.mean([1.5] * 4 + [1.0, 1.0, 1.0, 3.0]))
+    assert pm.scheme_metrics(rmsd, mech, truth, target, hit=1.4)["coverage"] == 0.0  # a number still works
+
+
+def test_claim_premises_make_a_floor_run_inconclusive():
+    base = {"baseline/det/coverage": 0.0, "baseline/gen/coverage": 0.0, "method/coverage": 0.0,
+            "detail/best_decoder_coverage": 0.0, "baseline/det/flip_rate": 0.0, "baseline/det/probe_gap": 0.3,
+            "baseline/det/shape_rmsd": 3.0, "baseline/gen/shape_rmsd": 3.0, "method/shape_rmsd": 3.0,
+            "baseline/nearest/shape_rmsd": 4.0}
+    result = pm.PAPER.claim.decide([base, base, base])
+    assert result.verdict == "inconclusive" and "coverage_off_floor" in result.reason
+    worked = [base | {"baseline/gen/coverage": g, "method/coverage": c, "detail/best_decoder_coverage": c}
+              for g, c in ((0.2, 0.5), (0.3, 0.6), (0.2, 0.6))]
+    assert pm.PAPER.claim.decide(worked).verdict == "holds"
+    assert [p.role for p in pm.PAPER.claim.decide(worked).parts].count("context") == 1  # finding 3: shown only
+
+
 def test_linear_cka_invariances():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((40, 6))
