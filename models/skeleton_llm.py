@@ -21,8 +21,8 @@ What it implements (function names in brackets):
     post-hoc order, answer first ("a ; because f1 ; f2"), instead of CRD's causal chain ("f1 ; f2 ; so a")
     [why_texts]: what it lacks is the rationale-before-answer mechanism, not the rationale data (an arm that never
     saw a rationale would lose the reasoning comparison by construction);
-  - no DFT branches at the DFT phase and trains its steps with next-token CE on the same recognition prompts
-    instead of the candidate loss (not a snapshot with fewer steps);
+  - no DFT branches at the DFT phase and trains its steps on the same tasks without the candidate loss (not a
+    snapshot with fewer steps);
 - premises: SkeletonLLM recognises the source format above ACC_BAR, and each compared baseline (feature, VQ,
   frozen renderer) above BASELINE_BAR (twice chance): otherwise the comparisons say nothing about the paper;
 - metrics: recognition top-1, cross-format accuracy (train on A, zero-shot on B and C), confusable-pair accuracy,
@@ -39,8 +39,9 @@ Deviations from the paper (choices the abstract left open):
 - "root" for centring is the sequence's bounding-box centre (the COCO-like format has no pelvis); descriptor depth is
   the depth along the limb chain (tree depth differs between formats, so it would not be format-free).
 - cooperative training keeps earlier skills by replay [TASKS]: CRD trains rationale+answer together with recognition
-  and captioning CE, DFT adds its candidate loss to rationale+captioning CE; the ablations replay the same tasks
-  [ARM_TASKS]. Without replay, CRD lowered recognition and DFT erased reasoning and captions (tried at smoke scale).
+  and captioning CE, DFT adds its candidate loss to the same three CE terms; the ablations replay the same tasks
+  [ARM_TASKS]. Without replay, CRD lowered recognition and DFT erased reasoning and captions, and DFT without
+  recognition CE lowered top-1 over all labels (its loss ranks a label against its partner only; smoke scale).
 - the VQ codebook is initialised from encoded training frames (a collapsed codebook otherwise), trained in the stage-0
   phase and frozen afterwards. The frozen renderer's images are rendered once (it has nothing to learn).
 - classification is by sequence likelihood over the label set (the usual MLLM evaluation); captions and rationales
@@ -560,11 +561,10 @@ TRAINABLE = {"stage0": ("skel.vit.", "skel.proj.", "skel.dec.", "vq.enc.", "vq.c
 SCHEDULE = {"tune": ("skel", "frozen", "feature", "vq"), "crd": ("skel", "feature", "vq", "nocrd"),
             "dft": ("skel", "feature", "vq", "nocrd", "nodft")}
 # phase -> next-token tasks (CRD and DFT replay the earlier tasks: cooperative training). The ablations train the
-# same steps on the same prompts: no-CRD reads the "why" statements in post-hoc order ("post"), no-DFT replaces the
-# candidate loss by next-token CE on the same recognition prompts ("rec")
-TASKS = {"tune": ("rec", "cap"), "crd": ("crd", "rec", "cap"), "dft": ("crd", "cap")}
-ARM_TASKS = {("crd", "nocrd"): ("post", "rec", "cap"), ("dft", "nocrd"): ("post", "cap"),
-             ("dft", "nodft"): ("crd", "cap", "rec")}
+# same steps on the same prompts: no-CRD reads the "why" statements in post-hoc order ("post"), no-DFT trains the
+# DFT phase's tasks without the candidate loss
+TASKS = {"tune": ("rec", "cap"), "crd": ("crd", "rec", "cap"), "dft": ("crd", "rec", "cap")}
+ARM_TASKS = {("crd", "nocrd"): ("post", "rec", "cap"), ("dft", "nocrd"): ("post", "rec", "cap")}
 DFT_ARMS = ("skel", "feature", "vq", "nocrd")  # arms whose DFT phase adds the candidate loss
 
 
