@@ -460,12 +460,12 @@ def train(ctx) -> None:
         total, metrics = 0.0, {}
         for name, net in engine.module.nets.items():
             mask = b["who"] == int(name.rsplit("_s", 1)[1])
-            if not mask.any():
-                continue
             sub = {k: v[mask] for k, v in b.items()}
+            rows = mask.sum().clamp(min=1)  # a seed with no rows on this rank adds 0, not NaN; no branch on values
             logits, ls, lo, _ = net(sub)
-            loss = F.cross_entropy(logits, sub["label"]) + 0.5 * (F.cross_entropy(ls, sub["s_cls"]) +
-                                                                  F.cross_entropy(lo, sub["o_cls"]))
+            ce = [F.cross_entropy(x, sub[y], reduction="sum") / rows
+                  for x, y in ((logits, "label"), (ls, "s_cls"), (lo, "o_cls"))]
+            loss = ce[0] + 0.5 * (ce[1] + ce[2])
             total = total + loss
             metrics[f"{name}/loss"] = float(loss.detach())
         return total, metrics

@@ -366,7 +366,7 @@ def train(ctx) -> None:
                                                   torch.from_numpy(y_v[:, -1].astype(np.float32))))
     net_module = ctx.engine(model, p.lr)
     stops = {k: Plateau(p.patience, p.rel_tol) for k in model.names}
-    snapshot = {k: copy.deepcopy(net.state_dict()) for k, net in model.nets.items()}
+    snapshot = {k: detached_copy(net) for k, net in model.nets.items()}
     steps_done = 0
     ctx.progress(f"phase pretrain: {len(model.names)} transformers in lock-step, {p.chunk}-step chunks until every "
                  f"validation MSE plateaus (cap {p.steps})")
@@ -377,7 +377,7 @@ def train(ctx) -> None:
         steps_done += chunk
         for k, v_mse in validation_mse(model, val).items():  # every rank holds the same weights: same decision
             if stops[k].update(v_mse):
-                snapshot[k] = copy.deepcopy(model.nets[k].state_dict())
+                snapshot[k] = detached_copy(model.nets[k])
         ctx.log({f"train/val_mse/{k}": st.history[-1] for k, st in stops.items()}, steps_done)
     for k, net in model.nets.items():  # each model at its best validation point (early stopping)
         net.load_state_dict(snapshot[k])
@@ -387,6 +387,12 @@ def train(ctx) -> None:
         torch.save(model.state_dict(), ctx.out_dir / "model.pt")
         torch.save({"steps": steps_done, "plateaued": {k: st.stopped for k, st in stops.items()},
                     "val_mse": {k: st.history for k, st in stops.items()}}, ctx.out_dir / "stopping.pt")
+
+
+def detached_copy(net: nn.Module) -> dict[str, torch.Tensor]:
+    """The net's state as clones (a best-so-far snapshot); `copy.deepcopy` of a state dict crashes on the planner's
+    fake tensors (a weak storage reference freed twice in torch), clones do not."""
+    return {name: t.detach().clone() for name, t in net.state_dict().items()}
 
 
 class Plateau:

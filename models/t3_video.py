@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from kernels import window_attention as W
 from models.common.diffusion import frechet_distance
@@ -86,6 +87,9 @@ class Params(PaperParams):
     batch_size: int = Field(16, ge=2, description="Videos per step.")
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate of pretraining.")
     retrofit_lr: float = Field(5e-4, gt=0, description="AdamW learning rate of the retrofits.")
+    checkpoint_blocks: bool = Field(False, description="Recompute each transformer block in the backward pass "
+                                    "(activation checkpointing): 2x-resolution videos hold 4x the tokens, and "
+                                    "the full profile's would not fit a GPU with every block's activations kept.")
     blocks: list[list[int]] = Field([[1, -1, -1], [-1, -1, 2], [-1, 2, -1], [-1, 4, 4]], min_length=1,
                                     description="T3 block shapes (frames, h, w) in tokens, cycled over layers; -1 "
                                                 "keeps the axis whole.")
@@ -264,6 +268,15 @@ class DiT(nn.Module):
                                                  remote=True, use_triton=triton)
         return W.multiscale_window_attention(q, k, v, [self.p.local_block], grid, remote=False, use_triton=triton)
 
+    def block(self, i: int, h: torch.Tensor, cond: torch.Tensor, grid, attn: str) -> torch.Tensor:
+        blk = self.blocks[i]
+        sh1, sc1, g1, sh2, sc2, g2 = blk["ada"](F.silu(cond))[:, None].chunk(6, -1)  # (B, 1, d) each
+        a = F.layer_norm(h, h.shape[-1:]) * (1 + sc1) + sh1
+        q, k, v = blk["qkv"](a).unflatten(-1, (3, self.p.heads, -1)).permute(2, 0, 3, 1, 4)  # (B, H, N, dh)
+        y = self.attend(q, k, v, i, grid, attn).transpose(1, 2).flatten(2)  # (B, N, d)
+        h = h + g1 * blk["o"](y)
+        return h + g2 * blk["mlp"](F.layer_norm(h, h.shape[-1:]) * (1 + sc2) + sh2)
+
     def forward(self, x: torch.Tensor, t: torch.Tensor, c: torch.Tensor, attn: str = "full") -> torch.Tensor:
         """x (B, F, 3, S, S), t (B,), c (B,) -> velocity (B, F, 3, S, S)."""
         b, f, _, s, _ = x.shape
@@ -273,13 +286,11 @@ class DiT(nn.Module):
         tok = tok.permute(0, 1, 3, 5, 2, 4, 6).flatten(4).flatten(1, 3)  # (B, N, 3 P P)
         h = self.embed(tok) + self.positions(grid).to(x)  # (B, N, d)
         cond = self.time(sincos(1000 * t, self.p.width, 10_000.0)) + self.cls(c)  # (B, d)
-        for i, blk in enumerate(self.blocks):
-            sh1, sc1, g1, sh2, sc2, g2 = blk["ada"](F.silu(cond))[:, None].chunk(6, -1)  # (B, 1, d) each
-            a = F.layer_norm(h, h.shape[-1:]) * (1 + sc1) + sh1
-            q, k, v = blk["qkv"](a).unflatten(-1, (3, self.p.heads, -1)).permute(2, 0, 3, 1, 4)  # (B, H, N, dh)
-            y = self.attend(q, k, v, i, grid, attn).transpose(1, 2).flatten(2)  # (B, N, d)
-            h = h + g1 * blk["o"](y)
-            h = h + g2 * blk["mlp"](F.layer_norm(h, h.shape[-1:]) * (1 + sc2) + sh2)
+        for i in range(len(self.blocks)):
+            if self.p.checkpoint_blocks and torch.is_grad_enabled():  # keep each block's input, recompute the rest
+                h = checkpoint(self.block, i, h, cond, grid, attn, use_reentrant=False)
+            else:
+                h = self.block(i, h, cond, grid, attn)
         sh, sc = self.final_ada(F.silu(cond))[:, None].chunk(2, -1)
         out = self.out(F.layer_norm(h, h.shape[-1:]) * (1 + sc) + sh)  # (B, N, 3 P P)
         out = out.view(b, f, s // pt, s // pt, 3, pt, pt).permute(0, 1, 4, 2, 5, 3, 6)

@@ -72,6 +72,11 @@ HEADROOM = 0.9  # a rank must fit in this share of the GPU (CUDA context, alloca
 BUDGET_S = 20.0  # CPU seconds per paper (a busy machine plans as far as an idle one); planning never trains
 
 
+class EmptyBatch(RuntimeError):
+    """A phase's batch has no rows: its size was computed from placeholders (`int(t.max())` of a fake table), so
+    the plan retries with the tables' real values."""
+
+
 class PlanStop(Exception):
     """Raised inside the paper's train() to end the plan (time budget)."""
 
@@ -260,6 +265,9 @@ class PlanContext:
                 stack.enter_context(_fake_reads())
             # a fake batch: its indices may point past the planning data's rows, its shape is the profile's
             local = {k: v[self.rank :: self.world_size].contiguous() for k, v in batch_fn(0).items()}
+            empty = [k for k, v in local.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == 0]
+            if empty:  # the batch's size came from placeholder values: a step on it would plan nothing
+                raise EmptyBatch(f"phase {name}: batch {', '.join(empty)} has no rows on placeholder values")
             real = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()]
                     if not isinstance(t, FakeTensor)}  # weights made before the fake mode: fake copies for the step
             fakes = {n: mode.from_tensor(t, static_shapes=True).requires_grad_(t.requires_grad)
@@ -295,6 +303,23 @@ class PlanContext:
             raise PlanStop("time budget spent")
 
 
+def _cpu_attention_flops():
+    """FLOPs of SDPA's fused CPU kernels, which `flop_registry` leaves out (it knows the CUDA ones): the plan traces
+    on CPU fakes, so without these a paper's attention would cost nothing. Same formulas as the CUDA kernels'."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    aten = torch.ops.aten
+    return {
+        aten._scaled_dot_product_flash_attention_for_cpu:
+            lambda q, k, v, *_: sdpa_flop_count(q.shape, k.shape, v.shape),
+        aten._scaled_dot_product_flash_attention_for_cpu_backward:
+            lambda g, q, k, v, *_: sdpa_backward_flop_count(g.shape, q.shape, k.shape, v.shape),
+    }
+
+
+_CPU_ATTENTION = _cpu_attention_flops()
+
+
 class _StepCounter(torch.utils._python_dispatch.TorchDispatchMode):
     """FLOPs and memory of one step. FLOPs: `FlopCounterMode`'s own per-op formulas (`flop_registry`: matmuls,
     convolutions, attention), without its module hooks, which break a paper's `torch.autograd.grad`. Memory: bytes
@@ -315,6 +340,8 @@ class _StepCounter(torch.utils._python_dispatch.TorchDispatchMode):
         count = flop_registry.get(func._overloadpacket)
         if count is not None:
             self.flops += count(*args, **kwargs, out_val=out)
+        elif func._overloadpacket in _CPU_ATTENTION:
+            self.flops += _CPU_ATTENTION[func._overloadpacket](*args)
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
@@ -357,6 +384,13 @@ class _Placeholders(torch.utils._python_dispatch.TorchDispatchMode):
                     and sum(t.numel() for t in inputs) <= _MAX_READ:
                 with unset_fake_temporarily():
                     return func(*args, **kwargs)
+            if not inputs:  # an integer factory (arange, randperm: index bookkeeping) is data-side too; weights
+                out = func(*args, **kwargs)  # (floating point) stay fake
+                if isinstance(out, torch.Tensor) and not (out.dtype.is_floating_point or out.is_complex()) \
+                        and out.numel() <= _MAX_READ:
+                    with unset_fake_temporarily():
+                        return func(*args, **kwargs)
+                return out
         if func is aten._local_scalar_dense.default:
             x = args[0]
             return False if x.dtype == torch.bool else (1 if not x.dtype.is_floating_point else 0.5)
@@ -576,7 +610,7 @@ def planning_data(paper, raw: Mapping[str, Any], test_raw: Mapping[str, Any], ca
 
 # ---- planning one paper -------------------------------------------------------------------------------------------
 def plan(paper_id: str, raw: Mapping[str, Any], test_raw: Mapping[str, Any], *, profile: str = "full",
-         gpu: str = DEFAULT_GPU, mfu: float = DEFAULT_MFU, cache: Path, budget_s: float = BUDGET_S) -> Plan:
+         gpu: str = DEFAULT_GPU, mfu: float = DEFAULT_MFU, cache: Path, budget_s: float | None = None) -> Plan:
     """Plan one paper's profile (`raw`: its validated-to-be params as a dict; `test_raw`: its test profile)."""
 
     from models import registry
@@ -596,6 +630,7 @@ def plan(paper_id: str, raw: Mapping[str, Any], test_raw: Mapping[str, Any], *, 
         return result
     out_dir = cache / "out" / paper_id
     out_dir.mkdir(parents=True, exist_ok=True)
+    budget_s = BUDGET_S if budget_s is None else budget_s
     phases, result.stopped = _trace(paper, params, data_dir, out_dir, budget_s, real_data=False)
     if result.stopped and not result.stopped.startswith("time budget"):
         # the trace failed on a value fakes cannot give: once more with the tables' own values (a polyfit over the

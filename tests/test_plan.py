@@ -174,3 +174,44 @@ def test_a_trace_that_needs_the_tables_values_is_retried_on_them(tmp_path):
     assert not phases and stopped  # NaN slope (or a failed fit) from the zeros
     phases, stopped = planning._trace(paper, params, tmp_path, tmp_path, 20.0, real_data=True)
     assert stopped == "" and [ph.name for ph in phases] == ["fit"] and phases[0].params == 4 * 2 + 2
+
+
+def test_a_batch_sized_by_placeholders_is_retried_on_the_tables_values(tmp_path):
+    """A batch whose rows come from the data's values (`int(t.max())` of a table, index ranges) is empty on fakes;
+    that ends the trace, and the retry, where integer index bookkeeping (arange, randperm) is real, gets its rows."""
+    import types
+
+    import numpy as np
+
+    def train(ctx):
+        image = torch.from_numpy(np.repeat(np.arange(4), 3))  # 4 images, 3 rows each
+        n_img = int(image.max()) + 1
+        bounds = torch.searchsorted(image, torch.arange(n_img + 1))
+        idx = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in range(n_img)])
+        ctx.fit("fit", ctx.engine(torch.nn.Linear(4, 2), 1e-3), lambda engine, b, step: (engine(b["x"]).sum(), {}),
+                lambda step: {"x": torch.randn(len(idx), 4)}, 10)
+
+    paper, params = types.SimpleNamespace(train=train), _Params()
+    phases, stopped = planning._trace(paper, params, tmp_path, tmp_path, 20.0, real_data=False)
+    assert not phases and "EmptyBatch" in stopped
+    phases, stopped = planning._trace(paper, params, tmp_path, tmp_path, 20.0, real_data=True)
+    assert stopped == "" and phases[0].batch == {"x": [12, 4]}
+
+
+def test_attention_on_cpu_fakes_counts_the_fused_kernels_flops(tmp_path):
+    """SDPA on CPU takes its fused kernel, which FlopCounterMode's registry does not know: the plan counts it with
+    the same formula as the CUDA kernels (4 b h s^2 d forward, 2.5x that backward)."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    ctx = _ctx(tmp_path)
+    q_proj = torch.nn.Linear(8, 8, bias=False)
+
+    def step_fn(engine, batch, step):
+        q = engine(batch["x"]).view(2, 4, 128, 8)  # (b, h, s, d)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q).sum(), {}
+
+    ctx.fit("attention", ctx.engine(q_proj, 1e-3), step_fn, lambda step: {"x": torch.randn(2, 4 * 128, 8)}, 1)
+    shape = (2, 4, 128, 8)
+    attention = sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape)
+    projection = 4 * 2 * 4 * 128 * 8 * 8  # 2 FLOPs per weight and token forward, 2 backward (no input gradient)
+    assert ctx.phases[0].flops_step == pytest.approx(attention + projection, rel=0.01)
