@@ -36,6 +36,10 @@ Deviations from the paper (choices the abstract left open):
   every joint's global position carries the root, so an unweighted loss (3 of 3J features) leaves the root, and
   with it MPJPE, the slowest part to converge.
 - AMASS joints are converted from z-up to y-up; frames are subsampled by round(mocap_framerate / fps).
+- Training: AdamW per phase (all networks of a phase in one engine, so every arm gets the same steps), the learning
+  rate decaying by a half cosine to `lr_final` x lr; gradient clipping is explicit (`grad_clip`, none by default)
+  rather than DeepSpeed's implicit global-norm clip at 1.0 [set_gradient_clipping, cosine_lr].
+- The direct regressor's width is matched by counting its parameters [direct_params], not by building candidates.
 - Seeds: `n_seeds` independent copies of every network train in lock-step in the same engines; metrics are means.
 """
 
@@ -90,7 +94,11 @@ class Params(PaperParams):
                                                      "relative to each root-relative joint coordinate.")
     accel_weight: float = Field(1.0, ge=0.0, description="lambda: MRN's acceleration penalty.")
     batch_size: int = Field(64, ge=2)
-    lr: float = Field(2e-3, gt=0)
+    lr: float = Field(2e-3, gt=0, description="Peak learning rate of every phase.")
+    lr_final: float = Field(1.0, gt=0, le=1, description="Every phase's learning rate decays by a half cosine from "
+                                                        "lr to lr_final * lr over its steps (1: constant).")
+    grad_clip: float = Field(0.0, ge=0, description="Global gradient-norm clip of each phase's engine; 0: none "
+                                                    "(DeepSpeed's own default would clip at 1.0).")
     vq_steps: int = Field(200, ge=1, description="Steps of both VQ-VAEs (lock-step).")
     ar_steps: int = Field(300, ge=1, description="Steps of MAN+SAC, the flat AR and direct regression (lock-step).")
     mrn_steps: int = Field(150, ge=1, description="Steps of MRN on MAN outputs.")
@@ -473,15 +481,17 @@ def n_params(module: nn.Module) -> int:
     return sum(q.numel() for q in module.parameters())
 
 
+def direct_params(cin: int, feat: int, w: int, layers: int, length: int) -> int:
+    """DirectRegression's parameter count, counted without building it: input projection, positions, per layer
+    attention (4 w x w + 4 w), MLP (8 w^2 + 5 w) and two LayerNorms (4 w), output LayerNorm and projection."""
+    return cin * w + w + length * w + layers * (12 * w * w + 13 * w) + 2 * w + w * feat + feat
+
+
 def matched_width(target: int, cin: int, feat: int, p: Params) -> int:
-    """The direct regressor's width (a multiple of heads) whose parameter count is closest to `target`."""
-    widths = range(p.heads, 64 * p.width + 1, p.heads)
-    count = lambda w: n_params(DirectRegression(cin, feat, w, p.layers, p.heads, p.window))  # noqa: E731
-    lo, hi = 0, len(widths) - 1
-    while lo < hi:  # parameter count grows with width
-        mid = (lo + hi) // 2
-        lo, hi = (mid + 1, hi) if count(widths[mid]) < target else (lo, mid)
-    return min(widths[max(lo - 1, 0)], widths[lo], key=lambda w: abs(count(w) - target))
+    """The direct regressor's width (a multiple of heads) whose parameter count is closest to `target` (counted,
+    not built: building dozens of candidate transformers also ran under the planner's fake tensors)."""
+    count = lambda w: direct_params(cin, feat, w, p.layers, p.window)  # noqa: E731
+    return min(range(p.heads, 64 * p.width + 1, p.heads), key=lambda w: abs(count(w) - target))
 
 
 def build(p: Params, feat: int, cin: int) -> nn.ModuleDict:
@@ -511,6 +521,26 @@ class Phase(nn.Module):
         return sum(losses.values()), {k: float(v.detach()) / len(self.parts) for k, v in losses.items()}
 
 
+def cosine_lr(lr: float, final: float, step: int, steps: int) -> float:
+    """Half-cosine decay from lr (step 0) to final * lr (the last step)."""
+    frac = step / max(steps - 1, 1)
+    return lr * (final + (1 - final) * 0.5 * (1 + np.cos(np.pi * frac)))
+
+
+def set_gradient_clipping(engine, clip: float) -> None:
+    """Make a DeepSpeed engine's gradient clipping `clip` (0: none). The engine config `ctx.engine` builds leaves
+    `gradient_clipping` at DeepSpeed's default, 1.0 on the global norm of everything the engine trains, here the
+    competing arms of a phase together: one arm's large gradient shrank the others' steps, and the multi-scale
+    VQ-VAE's latent scale ran away under the clipped steps. The plain (fp32, ZeRO 0) engine reads the config at
+    every step; ZeRO and bf16 optimizers keep their own copy (`clip_grad`). Engines without either are left as
+    they are (the planner's stand-in)."""
+    config = getattr(engine, "_config", None)
+    if config is not None and hasattr(config, "gradient_clipping"):
+        config.gradient_clipping = clip
+    if hasattr(getattr(engine, "optimizer", None), "clip_grad"):
+        engine.optimizer.clip_grad = clip
+
+
 def train(ctx) -> None:
     p: Params = ctx.params
     d = load_data(ctx.data_dir)
@@ -527,13 +557,21 @@ def train(ctx) -> None:
         i = tr[torch.randint(len(tr), (p.batch_size,), generator=g)]
         return {"x": d["xn"][i], "c": d["cn"][i], **{k: v[i] for k, v in extra.items()}}
 
-    def step_fn(engine, batch, step):
-        return engine(batch)
+    def fit(name: str, phase: Phase, steps: int) -> None:
+        engine = ctx.engine(phase, p.lr)
+        set_gradient_clipping(engine, p.grad_clip)
+
+        def step_fn(engine, batch, step):
+            for group in engine.optimizer.param_groups:
+                group["lr"] = cosine_lr(p.lr, p.lr_final, step, steps)
+            return engine(batch)
+
+        ctx.fit(name, engine, step_fn, batch_fn, steps)
 
     vq = Phase(seeds, ("tmt", "flat_vq"), lambda i, m, b: {"tmt": m["tmt"].loss(b["x"]),
                                                           "flat_vq": m["flat_vq"].loss(b["x"])})
     ctx.progress(f"phase vq: multi-scale and single-scale VQ-VAEs x {p.n_seeds} seeds, {p.vq_steps} steps")
-    ctx.fit("vq", ctx.engine(vq, p.lr), step_fn, batch_fn, p.vq_steps)
+    fit("vq", vq, p.vq_steps)
 
     with torch.no_grad():  # tokens of every sequence, once: the AR models train on fixed targets
         for s in seeds:
@@ -551,7 +589,7 @@ def train(ctx) -> None:
 
     ar = Phase(seeds, ("man", "flat_ar", "direct"), ar_loss)
     ctx.progress(f"phase ar: MAN+SAC, flat AR, direct regression x {p.n_seeds} seeds, {p.ar_steps} steps")
-    ctx.fit("ar", ctx.engine(ar, p.lr), step_fn, batch_fn, p.ar_steps)
+    fit("ar", ar, p.ar_steps)
 
     with torch.no_grad():
         for i, s in enumerate(seeds):
@@ -560,7 +598,7 @@ def train(ctx) -> None:
     mrn = Phase(seeds, ("mrn",), lambda i, m, b: {"mrn": m["mrn"].loss(b[f"xhat{i}"], b["c"], b["x"],
                                                                        p.accel_weight)})
     ctx.progress(f"phase mrn: refinement on MAN outputs x {p.n_seeds} seeds, {p.mrn_steps} steps")
-    ctx.fit("mrn", ctx.engine(mrn, p.lr), step_fn, batch_fn, p.mrn_steps)
+    fit("mrn", mrn, p.mrn_steps)
     if ctx.rank == 0:
         torch.save(seeds.state_dict(), ctx.out_dir / "model.pt")
 

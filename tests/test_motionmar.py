@@ -155,3 +155,62 @@ def test_vqvae_loss_weights_the_root_trajectory():
         with torch.no_grad():
             costs.append(float(vq.loss(x)) - float(vq.quant(vq.encode(x))[2]))  # minus the commitment term
     assert abs(costs[0] / costs[1] - 8.0) < 1e-4
+
+
+def test_direct_regression_parameter_count_is_counted_without_building():
+    for cin, feat, w, layers, length in [(18, 48, 64, 2, 32), (6, 9, 16, 1, 16), (54, 66, 132, 4, 196)]:
+        built = mm.DirectRegression(cin, feat, w, layers, 4, length)
+        assert mm.direct_params(cin, feat, w, layers, length) == mm.n_params(built)
+    p = tiny()
+    w = mm.matched_width(20_000, 6, 9, p)
+    assert w % p.heads == 0
+    assert all(abs(mm.direct_params(6, 9, w, p.layers, p.window) - 20_000)
+               <= abs(mm.direct_params(6, 9, v, p.layers, p.window) - 20_000) for v in (w - p.heads, w + p.heads))
+
+
+def _two_ranks(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)  # the same initial codebook and the same step seed on both ranks, as in TrainContext.fit
+    q = mm.Quantizer(16, 3, [1, 2], decay=0.9, beta=0.25).train()
+    data = torch.Generator().manual_seed(rank)  # each rank quantises its own shard
+    for _ in range(4):
+        q(torch.randn(4, 2, 3, generator=data) * (1 + 5 * rank))
+    torch.save({k: v.clone() for k, v in q.state_dict().items()}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_codebooks_stay_identical_across_ranks_with_different_shards(tmp_path):
+    """The EMA statistics are all-reduced and the restarts broadcast from rank 0, so two ranks that quantise
+    different data keep bitwise the same codebook (DeepSpeed only synchronises gradients)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_two_ranks, args=(port, str(tmp_path)), nprocs=2, join=True)
+    a, b = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert all(torch.equal(a[k], b[k]) for k in ("codebook", "ema_sum", "ema_count"))
+    assert bool(a["initialised"]) and not torch.equal(a["codebook"], torch.zeros_like(a["codebook"]))
+
+
+def test_cosine_lr_and_explicit_gradient_clipping():
+    lrs = [mm.cosine_lr(2e-3, 0.1, s, 100) for s in range(100)]
+    assert np.isclose(lrs[0], 2e-3) and np.isclose(lrs[-1], 2e-4)
+    assert all(a >= b for a, b in zip(lrs[:-1], lrs[1:], strict=True))
+    assert mm.cosine_lr(1e-3, 1.0, 7, 10) == 1e-3
+
+    class Config:
+        gradient_clipping = 1.0  # DeepSpeed's default, which ctx.engine's config leaves in place
+
+    class ZeroOptimizer:
+        clip_grad = 1.0
+
+    engine = type("Engine", (), {"_config": Config(), "optimizer": ZeroOptimizer()})()
+    mm.set_gradient_clipping(engine, 0.0)
+    assert engine._config.gradient_clipping == 0.0 and engine.optimizer.clip_grad == 0.0
+    plain = type("Stand-in", (), {"optimizer": torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)})()
+    mm.set_gradient_clipping(plain, 0.0)  # the planner's engine has neither: nothing to set, no error
