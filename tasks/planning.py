@@ -40,7 +40,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +241,7 @@ class PlanContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     label: str = "plan"
     phases: list[Phase] = field(default_factory=list)
+    _traced: dict[tuple, Phase] = field(default_factory=dict, repr=False)
 
     def engine(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0) -> _Engine:
         return _Engine(model, lr, weight_decay)
@@ -268,6 +269,11 @@ class PlanContext:
             empty = [k for k, v in local.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == 0]
             if empty:  # the batch's size came from placeholder values: a step on it would plan nothing
                 raise EmptyBatch(f"phase {name}: batch {', '.join(empty)} has no rows on placeholder values")
+            key = _step_signature(model, step_fn, local)
+            if key in self._traced:  # the same step as a phase traced before (another arm, chunk, task step)
+                self.phases.append(replace(self._traced[key], name=name, steps=int(num_steps)))
+                engine.step()
+                return
             real = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()]
                     if not isinstance(t, FakeTensor)}  # weights made before the fake mode: fake copies for the step
             fakes = {n: mode.from_tensor(t, static_shapes=True).requires_grad_(t.requires_grad)
@@ -287,6 +293,7 @@ class PlanContext:
             batch={k: list(v.shape) for k, v in local.items() if isinstance(v, torch.Tensor)},
             flops_step=float(step.flops),
             activation_bytes=int(transient * (0.5 if self.params.bf16 else 1.0))))
+        self._traced[key] = self.phases[-1]
         engine.step()
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
@@ -318,6 +325,21 @@ def _cpu_attention_flops():
 
 
 _CPU_ATTENTION = _cpu_attention_flops()
+
+
+def _step_signature(model: torch.nn.Module, step_fn: Callable, batch: Mapping[str, Any]) -> tuple:
+    """What one traced step's numbers depend on: the model's modules and tensor shapes, the batch's shapes, the step
+    function's code and the plain values it closes over (an arm's mode, a loss weight). Two phases with the same
+    signature (15 networks of one architecture, the chunks of one run) cost the same: traced once."""
+    def plain(v):
+        return v if isinstance(v, (int, float, str, bool, type(None))) else type(v).__name__
+
+    shapes = lambda named: tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in named)  # noqa: E731
+    return (tuple(type(m).__name__ for m in model.modules()), shapes(model.named_parameters()),
+            shapes(model.named_buffers()),
+            tuple((k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, plain(v))
+                  for k, v in batch.items()),
+            step_fn.__code__, tuple(plain(c.cell_contents) for c in step_fn.__closure__ or ()))
 
 
 class _StepCounter(torch.utils._python_dispatch.TorchDispatchMode):
@@ -510,6 +532,9 @@ def _alarm(deadline: float):
         signal.signal(signal.SIGPROF, old)
 
 
+_WEIGHTS_KEY = re.compile(r"\w+_weights|\w+_ckpt")  # a local file of pretrained weights (ldka's backbone)
+
+
 # ---- planning data ------------------------------------------------------------------------------------------------
 # keys that say how much data there is or where it comes from, not the shape of a row or of the model
 _DATA_KEY = re.compile(
@@ -619,12 +644,17 @@ def plan(paper_id: str, raw: Mapping[str, Any], test_raw: Mapping[str, Any], *, 
         raise ValueError(f"unknown gpu {gpu!r}; known: {', '.join(GPUS)}")
     paper = registry.get(paper_id)
     params = registry.validate(paper, raw, where=f"papers.{paper_id}.{profile}")
+    # pretrained weights from a local file change values, not shapes or costs: traced without them
+    unread = sorted(k for k in raw if _WEIGHTS_KEY.fullmatch(k) and raw[k])
+    if unread:
+        params = registry.validate(paper, {k: v for k, v in raw.items() if k not in unread}, where=paper_id)
     t0 = time.monotonic()
     data_dir, table_bytes, note = planning_data(paper, raw, test_raw, cache)
     per_node = min(params.ranks, GPUS_PER_NODE)  # every rank of a node reads the tables into its own memory
     result = Plan(paper=paper_id, profile=profile, gpu=gpu, ranks=params.ranks, zero_stage=params.zero_stage,
                   bf16=params.bf16, mfu=mfu, data_bytes=table_bytes * per_node,
-                  data_note=f"{gib(table_bytes)} of tables x {per_node} rank(s) a node; {note}")
+                  data_note=f"{gib(table_bytes)} of tables x {per_node} rank(s) a node; {note}"
+                  + (f"; pretrained weights not read ({', '.join(unread)})" if unread else ""))
     if not paper.learns:  # nothing trains, so nothing to trace: the plan is the data
         result.seconds = time.monotonic() - t0
         return result

@@ -215,3 +215,21 @@ def test_attention_on_cpu_fakes_counts_the_fused_kernels_flops(tmp_path):
     attention = sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape)
     projection = 4 * 2 * 4 * 128 * 8 * 8  # 2 FLOPs per weight and token forward, 2 backward (no input gradient)
     assert ctx.phases[0].flops_step == pytest.approx(attention + projection, rel=0.01)
+
+
+def test_a_step_traced_before_is_not_traced_again(tmp_path):
+    """Phases with the same model shapes, batch shapes and step (another arm's copy, the next chunk) share the
+    numbers of the first trace; a different width is traced anew."""
+    ctx, calls = _ctx(tmp_path), []
+
+    def step_fn(engine, batch, step):
+        calls.append(1)
+        return engine(batch["x"]).square().sum(), {}
+
+    batch = lambda step: {"x": torch.randn(16, 8)}  # noqa: E731
+    for name, width in (("a", 32), ("b", 32), ("c", 64)):
+        torch.manual_seed(len(name))
+        ctx.fit(name, ctx.engine(torch.nn.Linear(8, width), 1e-3), step_fn, batch, 100 * width)
+    a, b, c = ctx.phases
+    assert len(calls) == 2 and (b.name, b.steps) == ("b", 3200) and b.flops_step == a.flops_step
+    assert c.flops_step == pytest.approx(2 * a.flops_step) and c.params == 8 * 64 + 64
