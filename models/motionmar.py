@@ -38,7 +38,7 @@ Deviations from the paper (choices the abstract left open):
 - AMASS joints are converted from z-up to y-up; frames are subsampled by round(mocap_framerate / fps).
 - Training: AdamW per phase (all networks of a phase in one engine, so every arm gets the same steps), the learning
   rate decaying by a half cosine to `lr_final` x lr; gradient clipping is explicit (`grad_clip`, none by default)
-  rather than DeepSpeed's implicit global-norm clip at 1.0 [set_gradient_clipping, cosine_lr].
+  rather than DeepSpeed's default global-norm clip at 1.0 (`ctx.engine(grad_clip=...)`) [cosine_lr].
 - The direct regressor's width is matched by counting its parameters [direct_params], not by building candidates.
 - Seeds: `n_seeds` independent copies of every network train in lock-step in the same engines; metrics are means.
 """
@@ -527,20 +527,6 @@ def cosine_lr(lr: float, final: float, step: int, steps: int) -> float:
     return lr * (final + (1 - final) * 0.5 * (1 + np.cos(np.pi * frac)))
 
 
-def set_gradient_clipping(engine, clip: float) -> None:
-    """Make a DeepSpeed engine's gradient clipping `clip` (0: none). The engine config `ctx.engine` builds leaves
-    `gradient_clipping` at DeepSpeed's default, 1.0 on the global norm of everything the engine trains, here the
-    competing arms of a phase together: one arm's large gradient shrank the others' steps, and the multi-scale
-    VQ-VAE's latent scale ran away under the clipped steps. The plain (fp32, ZeRO 0) engine reads the config at
-    every step; ZeRO and bf16 optimizers keep their own copy (`clip_grad`). Engines without either are left as
-    they are (the planner's stand-in)."""
-    config = getattr(engine, "_config", None)
-    if config is not None and hasattr(config, "gradient_clipping"):
-        config.gradient_clipping = clip
-    if hasattr(getattr(engine, "optimizer", None), "clip_grad"):
-        engine.optimizer.clip_grad = clip
-
-
 def train(ctx) -> None:
     p: Params = ctx.params
     d = load_data(ctx.data_dir)
@@ -558,8 +544,7 @@ def train(ctx) -> None:
         return {"x": d["xn"][i], "c": d["cn"][i], **{k: v[i] for k, v in extra.items()}}
 
     def fit(name: str, phase: Phase, steps: int) -> None:
-        engine = ctx.engine(phase, p.lr)
-        set_gradient_clipping(engine, p.grad_clip)
+        engine = ctx.engine(phase, p.lr, grad_clip=p.grad_clip)
 
         def step_fn(engine, batch, step):
             for group in engine.optimizer.param_groups:

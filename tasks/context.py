@@ -120,8 +120,12 @@ class TrainContext:
     label: str = ""
 
     # ---- engines -------------------------------------------------------------------------------------------
-    def engine(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0) -> Any:
-        """Wrap a single-device module in a DeepSpeed engine (client AdamW: exact resume, no fused-op build)."""
+    def engine(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0) -> Any:
+        """Wrap a single-device module in a DeepSpeed engine (client AdamW: exact resume, no fused-op build).
+
+        `grad_clip`: the global gradient-norm clip (0: none). 1.0 is DeepSpeed's own default, kept so no run changes;
+        it clips the norm of everything the engine trains, so arms trained in lock-step in one engine share it (one
+        arm's large gradient shrinks the others' steps): a paper comparing arms in one engine should choose it."""
         import deepspeed
 
         p = self.params
@@ -132,6 +136,7 @@ class TrainContext:
             "zero_allow_untested_optimizer": True,
             "bf16": {"enabled": bool(p.bf16 and self.device.type == "cuda")},
             "steps_per_print": 10**9,
+            "gradient_clipping": float(grad_clip),
         }
         model = model.to(self.device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)

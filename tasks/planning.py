@@ -243,7 +243,7 @@ class PlanContext:
     phases: list[Phase] = field(default_factory=list)
     _traced: dict[tuple, Phase] = field(default_factory=dict, repr=False)
 
-    def engine(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0) -> _Engine:
+    def engine(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0) -> _Engine:
         return _Engine(model, lr, weight_decay)
 
     def fit(self, name: str, engine: _Engine, step_fn: Callable, batch_fn: Callable[[int], Mapping[str, Any]],

@@ -84,3 +84,23 @@ def test_chatter_goes_to_the_log_file_warnings_to_the_console(monkeypatch, tmp_p
             logger.removeHandler(h)
             h.close()
     json.dumps(settings.QUIET_DEFAULTS)  # plain strings: environment defaults
+
+
+def test_engine_clips_gradients_as_asked(monkeypatch, tmp_path):
+    """`grad_clip` reaches DeepSpeed's config: 1.0 (its own default, every run so far) unless a paper says otherwise
+    (lock-step arms in one engine share the clip: motionmar turns it off)."""
+    import torch
+    import torch.distributed as dist
+
+    from models.contract import PaperParams
+
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0", "LOCAL_RANK": "0",
+                       "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    ctx = TrainContext(params=PaperParams(), data_dir=tmp_path, out_dir=tmp_path)
+    try:
+        clips = [ctx.engine(torch.nn.Linear(2, 2), 1e-3, **kw).gradient_clipping() for kw in ({}, {"grad_clip": 0})]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert clips == [1.0, 0.0]
