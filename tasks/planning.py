@@ -69,6 +69,7 @@ DEFAULT_MFU = 0.35  # model-FLOP utilisation the GPU-hours assume (a well-tuned 
 HOST_RAM = 1024 * GIB  # per node
 GPUS_PER_NODE = 8
 HEADROOM = 0.9  # a rank must fit in this share of the GPU (CUDA context, allocator fragmentation, NCCL buffers)
+RETRY_WALL_S = 90  # wall seconds a forked retry may take (its CPU budget is BUDGET_S; a hung child spends none)
 BUDGET_S = 20.0  # CPU seconds per paper (a busy machine plans as far as an idle one); planning never trains
 
 
@@ -740,6 +741,10 @@ def _forked(fn: Callable, *args, **kwargs) -> tuple[list[Phase], str]:
     pid = os.fork()
     if pid == 0:  # the child: answer through the pipe, then leave without the interpreter's teardown
         os.close(read)
+        # a fork of a process with threads can deadlock on a lock another thread held (no CPU is spent, so the
+        # budget's SIGPROF never comes): a wall-clock alarm ends such a child, and the retry counts as died
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(RETRY_WALL_S)
         try:
             with os.fdopen(write, "wb") as out:
                 pickle.dump(fn(*args, **kwargs), out)
