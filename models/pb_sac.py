@@ -398,7 +398,7 @@ def train(ctx) -> None:
             key = step // p.tmix_every  # n_eff from the PB-SAC buffer's state features, refreshed periodically
             if key not in n_eff_cache:
                 n = p.random_steps + key * p.tmix_every + 1
-                s = replays["pbsac"].state["s"][:n].numpy()
+                s = replays["pbsac"].rows["s"][:n]
                 n_eff_cache[key] = n / (9 * mixing_time(*s.T))
             batch["pbsac/n_eff"] = torch.full((p.batch_size,), n_eff_cache[key])
             batch["pbsac/c"] = torch.full((p.batch_size,), c)
@@ -427,7 +427,7 @@ def train(ctx) -> None:
             cols: dict[str, list] = {c: [] for c in ("agent", "step", "s", "a", "r", "s2", "done", "episode")}
             for name, rb in replays.items():
                 n = rb.filled()
-                st = {k: v[:n].numpy() for k, v in rb.state.items()}
+                st = {k: v[:n] for k, v in rb.rows.items()}
                 cols["agent"] += [name] * n
                 cols["step"] += list(range(n))
                 for c, k in (("s", "s"), ("a", "a"), ("s2", "s2")):

@@ -69,7 +69,8 @@ DEFAULT_MFU = 0.35  # model-FLOP utilisation the GPU-hours assume (a well-tuned 
 HOST_RAM = 1024 * GIB  # per node
 GPUS_PER_NODE = 8
 HEADROOM = 0.9  # a rank must fit in this share of the GPU (CUDA context, allocator fragmentation, NCCL buffers)
-RETRY_WALL_S = 90  # wall seconds a forked retry may take (its CPU budget is BUDGET_S; a hung child spends none)
+RETRY_WALL_S = 150  # wall seconds a forked trace may take (its CPU budget is BUDGET_S; a hung child spends none)
+REAL_DATA_FIRST = True  # see `plan`
 BUDGET_S = 20.0  # CPU seconds per paper (a busy machine plans as far as an idle one); planning never trains
 
 
@@ -301,7 +302,8 @@ class PlanContext:
         pass
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+        """In place, as DeepSpeed's: the sum over `world_size` ranks that hold what the traced rank holds."""
+        return tensor.mul_(self.world_size)
 
     def barrier(self) -> None:
         pass
@@ -388,6 +390,39 @@ class _StepCounter(torch.utils._python_dispatch.TorchDispatchMode):
         return best
 
 
+def _same_metadata_ops() -> frozenset:
+    """In-place ops whose result is their first argument with its shape, dtype and strides unchanged: on a fake
+    they only change values, which fakes do not have, so they are answered without the fake-tensor machinery
+    (~0.3 ms an op: weight initialisation and `load_state_dict` were a large part of planning many networks)."""
+    aten = torch.ops.aten
+    return frozenset({aten.uniform_, aten.normal_, aten.zero_, aten.fill_, aten.copy_, aten.bernoulli_,
+                      aten.random_, aten.exponential_, aten.log_normal_, aten.add_, aten.sub_, aten.mul_,
+                      aten.div_, aten.lerp_, aten.addcmul_, aten.addcdiv_, aten.clamp_, aten.clamp_min_,
+                      aten.clamp_max_, aten.masked_fill_})
+
+
+_SAME_METADATA = _same_metadata_ops()
+
+
+def _tensor_args(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among an op's arguments (one level of lists: `cat`, `index`), cheaper than a pytree walk."""
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(x for x in a if isinstance(x, torch.Tensor))
+    return out
+
+
+def _factory_size(args: tuple) -> int | None:
+    """Elements a factory op makes, read from its size argument (a list of ints, or `randperm`'s n); None if unsure."""
+    for a in args:
+        if isinstance(a, (list, tuple)) and all(isinstance(x, int) for x in a):
+            return math.prod(a)
+    return args[0] if len(args) == 1 and isinstance(args[0], int) else None
+
+
 class _Placeholders(torch.utils._python_dispatch.TorchDispatchMode):
     """Above FakeTensorMode: a Python read of a fake value gets a placeholder (0.5, 1, False), and ops whose output
     size depends on values (`nonzero`, boolean masks) get their upper bound, so the paper's control flow goes on."""
@@ -401,16 +436,24 @@ class _Placeholders(torch.utils._python_dispatch.TorchDispatchMode):
 
         kwargs = kwargs or {}
         aten = torch.ops.aten
+        if func._overloadpacket in _SAME_METADATA and args and isinstance(args[0], FakeTensor) \
+                and getattr(args[0], "constant", None) is None:
+            return args[0]  # an in-place fill or update of a fake changes values only: nothing to compute
         if self.real_data:  # an op on real tensors only (the tables, constants) runs for real: data-side values
-            inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            inputs = _tensor_args(args, kwargs)
             if inputs and not any(isinstance(t, FakeTensor) for t in inputs) \
                     and sum(t.numel() for t in inputs) <= _MAX_READ:
                 with unset_fake_temporarily():
                     return func(*args, **kwargs)
-            if not inputs:  # an integer factory (arange, randperm: index bookkeeping) is data-side too; weights
-                out = func(*args, **kwargs)  # (floating point) stay fake
-                if isinstance(out, torch.Tensor) and not (out.dtype.is_floating_point or out.is_complex()) \
-                        and out.numel() <= _MAX_READ:
+            if not inputs:  # an integer factory (arange, randperm: index bookkeeping) or a draw from a paper's own
+                # generator (data-side noise) is data-side too; weights (floating point, global RNG) stay fake
+                size = _factory_size(args)
+                if kwargs.get("generator") is not None and size is not None and size <= _MAX_READ:
+                    with unset_fake_temporarily():
+                        return func(*args, **kwargs)
+                out = func(*args, **kwargs)
+                if isinstance(out, torch.Tensor) and out.numel() <= _MAX_READ and not (
+                        out.dtype.is_floating_point or out.is_complex() or kwargs.get("generator") is not None):
                     with unset_fake_temporarily():
                         return func(*args, **kwargs)
                 return out
@@ -662,11 +705,16 @@ def plan(paper_id: str, raw: Mapping[str, Any], test_raw: Mapping[str, Any], *, 
     out_dir = cache / "out" / paper_id
     out_dir.mkdir(parents=True, exist_ok=True)
     budget_s = BUDGET_S if budget_s is None else budget_s
-    phases, result.stopped = _trace(paper, params, data_dir, out_dir, budget_s, real_data=False)
+    def trace(real_data: bool) -> tuple[list[Phase], str]:  # real values may abort native code: in a child
+        run = _forked if real_data else (lambda fn, *a, **k: fn(*a, **k))
+        return run(_trace, paper, params, data_dir, out_dir, budget_s, real_data=real_data)
+
+    # data-side tensors (tables, replay buffers, index bookkeeping, a paper's seeded draws) hold their real values,
+    # so a paper's data loops run at NumPy speed and its data-dependent control flow is the real one; a trace that
+    # fails on them (a batch indexed past the planning tables' rows) is run once more with every value fake
+    phases, result.stopped = trace(REAL_DATA_FIRST)
     if result.stopped and not result.stopped.startswith("time budget"):
-        # the trace failed on a value fakes cannot give: once more with the tables' own values (a polyfit over the
-        # data, class counts, a repeat pattern); kept if it gets further
-        again, stopped = _forked(_trace, paper, params, data_dir, out_dir, budget_s, real_data=True)
+        again, stopped = trace(not REAL_DATA_FIRST)
         if (not stopped, len(again)) > (False, len(phases)):
             phases, result.stopped = again, stopped
     for ph in phases:
@@ -757,4 +805,4 @@ def _forked(fn: Callable, *args, **kwargs) -> tuple[list[Phase], str]:
     try:
         return pickle.loads(data)
     except (EOFError, pickle.UnpicklingError):
-        return [], f"the retry on real table values died (wait status {status})"
+        return [], f"the trace on real table values died (wait status {status})"

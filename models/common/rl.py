@@ -35,7 +35,11 @@ def env_dims(env_id: str) -> tuple[int, int, float]:
 
 
 class Replay:
-    """A fixed-capacity transition table filled row by row from one environment chain (episodes back to back)."""
+    """A fixed-capacity transition table filled row by row from one environment chain (episodes back to back).
+
+    The table lives in NumPy arrays (`rows`) that `state` views as tensors (shared memory): a row is written by the
+    simulator's own NumPy values without a tensor op per field, and a checkpoint restored into `state` in place is
+    what the arrays read."""
 
     def __init__(self, env_id: str, capacity: int, seed: int, horizon: int | None = None):
         self.env, default_horizon = make_env(env_id)
@@ -43,16 +47,17 @@ class Replay:
         self.seed = seed
         obs_dim, act_dim = self.env.observation_space.shape[0], self.env.action_space.shape[0]
         sim_dim = len(self._sim_state_after_reset())
-        nan = lambda *shape: torch.full(shape, float("nan"))  # noqa: E731
-        self.state = {
+        nan = lambda *shape: np.full(shape, np.nan, np.float32)  # noqa: E731
+        self.rows = {
             "s": nan(capacity, obs_dim), "a": nan(capacity, act_dim), "r": nan(capacity), "s2": nan(capacity, obs_dim),
             "terminal": nan(capacity),  # true termination (no bootstrap); time-limit ends are not terminal
             "end": nan(capacity),  # the episode ended after this row (terminal or time limit)
             "t": nan(capacity),  # time step within the episode after this row
             "episode": nan(capacity),
             # simulator state after this row, to resume mid-episode (float64: the simulator's own precision)
-            "sim": torch.full((capacity, sim_dim), float("nan"), dtype=torch.float64),
+            "sim": np.full((capacity, sim_dim), np.nan, np.float64),
         }
+        self.state = {k: torch.from_numpy(v) for k, v in self.rows.items()}
         self._synced_row = -1  # the row the live environment is positioned to collect next
         self._obs = None
 
@@ -62,25 +67,25 @@ class Replay:
 
     def filled(self) -> int:
         """Number of leading rows already collected (after a resume, those restored from the checkpoint)."""
-        empty = torch.isnan(self.state["r"]).nonzero()
-        return int(empty[0]) if len(empty) else len(self.state["r"])
+        empty = np.flatnonzero(np.isnan(self.rows["r"]))
+        return int(empty[0]) if len(empty) else len(self.rows["r"])
 
     def _position(self, row: int) -> None:
         """Put the environment where row `row` starts: a seeded reset, or the stored state after row - 1."""
-        st = self.state
+        st = self.rows
         if row == 0 or st["end"][row - 1] > 0:
             episode = 0 if row == 0 else int(st["episode"][row - 1]) + 1
             self._obs, _ = self.env.reset(seed=int(np.random.SeedSequence([self.seed, episode]).generate_state(1)[0]))
             self._t, self._episode = 0, episode
         else:
-            self.env.state = st["sim"][row - 1].numpy().copy()
-            self._obs = st["s2"][row - 1].numpy().astype(np.float32)
+            self.env.state = st["sim"][row - 1].copy()
+            self._obs = st["s2"][row - 1].astype(np.float32)
             self._t, self._episode = int(st["t"][row - 1]), int(st["episode"][row - 1])
         self._synced_row = row
 
     def collect(self, upto: int, act: ActFn) -> None:
         """Fill rows [filled(), upto) by acting with `act` (each row's randomness seeded by the row)."""
-        st = self.state
+        st = self.rows
         for row in range(self.filled(), min(upto, len(st["r"]))):
             if self._synced_row != row:
                 self._position(row)
@@ -89,15 +94,15 @@ class Replay:
             obs2, reward, terminated, truncated, _ = self.env.step(action)
             self._t += 1
             end = terminated or truncated or self._t >= self.horizon
-            st["s"][row] = torch.as_tensor(np.asarray(self._obs, np.float32))
-            st["a"][row] = torch.as_tensor(action)
+            st["s"][row] = np.asarray(self._obs, np.float32)
+            st["a"][row] = action
             st["r"][row] = float(reward)
-            st["s2"][row] = torch.as_tensor(np.asarray(obs2, np.float32))
+            st["s2"][row] = np.asarray(obs2, np.float32)
             st["terminal"][row] = float(terminated)
             st["end"][row] = float(end)
             st["t"][row] = float(self._t)
             st["episode"][row] = float(self._episode)
-            st["sim"][row] = torch.as_tensor(np.asarray(self.env.state, np.float64))
+            st["sim"][row] = np.asarray(self.env.state, np.float64)
             if end:
                 self._synced_row = -1  # the next row starts with a seeded reset
             else:
@@ -112,7 +117,7 @@ class Replay:
     def episode_returns(self) -> tuple[np.ndarray, np.ndarray]:
         """(env step at which each finished episode ended, its undiscounted return)."""
         n = self.filled()
-        r, end, ep = (self.state[k][:n].numpy() for k in ("r", "end", "episode"))
+        r, end, ep = (self.rows[k][:n] for k in ("r", "end", "episode"))
         done = np.flatnonzero(end > 0)
         returns = np.array([r[ep == ep[i]].sum() for i in done])
         return done + 1, returns
