@@ -17,8 +17,9 @@ What it implements (function names in brackets):
   rejects perturbed answers; Gate 2 consensus of the reference solver, a brute force over the answer space checked by
   the validator, and the spec-text interpreter on >= 95% of 20 instances; Gate 3 Adversarial Blind Review: a solver
   that sees only the prompt (3 solved examples + query) enumerates DSL programs up to a depth and at most
-  `review_budget` programs; an instance is ambiguous when a program fits the examples but answers the query
-  differently; the family is rejected as ill-posed (too many ambiguous instances) or trivial (answer entropy < 1 bit);
+  `review_budget` programs (each chain of list operators computed once, for all lists at once [BlindReviewer]);
+  an instance is ambiguous when a program fits the examples but answers the query differently; the family is
+  rejected as ill-posed (too many ambiguous instances) or trivial (answer entropy < 1 bit);
 - the RLVR policy: a char-level TinyLM; SFT on seed-family instances, then GRPO (group size 8, KL 0.02 to the SFT
   policy, validator 0/1 reward) for 5 arms in lock-step in one DeepSpeed engine [grpo_loss, train];
 - evaluation on held-out suites built by their own sampler (SynLogic analogue: depth-2/3 and conditional families;
@@ -143,13 +144,36 @@ _SPEC_OPS = {  # Gate 2's independent interpreter: its own numpy implementations
 
 
 def interpret_spec(spec: str, x: list[int]) -> int:
-    """Evaluate a family's spec text ("mod10(max(even(x)))", "if p(x) then A else B") without touching `run`."""
-    m = re.fullmatch(r"if (\w+)\(x\) then (.+) else (.+)", spec)
-    if m:
-        return interpret_spec(m[2] if _SPEC_OPS[m[1]](np.array(x)) else m[3], x)
-    names = re.findall(r"(\w+)\(", spec)
+    """Evaluate a family's spec text ("mod10(max(even(x)))", "if p(x) then A else B", A and B specs themselves,
+    conditionals nested in either branch) without touching `run`; only the branch taken is evaluated."""
+    tree, end = _spec_tree(spec.split(" "), 0)
+    if end != len(spec.split(" ")):
+        raise ValueError(f"trailing text in spec {spec!r}")
+    return _spec_value(tree, x)
+
+
+def _spec_tree(words: list[str], i: int) -> tuple[str | tuple, int]:
+    """Words from position i -> (a chain's text, or (predicate, then-tree, else-tree)) and the next position."""
+    word = lambda k: words[k] if k < len(words) else ""  # noqa: E731 - past the end: no word
+    if word(i) != "if":
+        if not word(i):
+            raise ValueError(f"spec ends early: {' '.join(words)!r}")
+        return words[i], i + 1
+    m = re.fullmatch(r"(\w+)\(x\)", word(i + 1))
+    if not m or word(i + 2) != "then":
+        raise ValueError(f"not a conditional spec: {' '.join(words[i:])!r}")
+    then, i = _spec_tree(words, i + 3)
+    if word(i) != "else":
+        raise ValueError(f"conditional spec without its else: {' '.join(words)!r}")
+    other, i = _spec_tree(words, i + 1)
+    return (m[1], then, other), i
+
+
+def _spec_value(tree: str | tuple, x: list[int]) -> int:
+    if isinstance(tree, tuple):
+        return _spec_value(tree[1] if _SPEC_OPS[tree[0]](np.array(x)) else tree[2], x)
     value = np.array(x, dtype=np.int64)
-    for name in reversed(names):
+    for name in reversed(re.findall(r"(\w+)\(", tree)):
         value = _SPEC_OPS[name](value)
     return int(value)
 
@@ -255,25 +279,127 @@ def review_programs(depth: int, budget: int) -> list[tuple]:
     return [("r", r, c) for c in chains for r in REDUCERS][:budget]
 
 
-def gate3(fam: dict, programs: list[tuple], p: Params) -> str:
+# Gate 3's reviewer runs every program on many lists at once. A batch of digit lists is v (L, ...) (int8, position
+# first: reductions over it are elementwise over whole arrays) with each list in its first n (...) positions; the
+# padding after it is read by no operator, so each list operator and reducer is a few array operations over all
+# (chain, list) pairs, with the results of `run`, list by list.
+def _pos(v: np.ndarray) -> np.ndarray:
+    return np.arange(len(v)).reshape(-1, *[1] * (v.ndim - 1))
+
+
+def _front(v: np.ndarray, n: np.ndarray) -> np.ndarray:
+    return _pos(v) < n
+
+
+def _take(v: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    return np.take_along_axis(v, np.broadcast_to(idx, v.shape), 0)
+
+
+def _keep(v: np.ndarray, n: np.ndarray, cond: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The list's elements where `cond`, in order, moved to the front."""
+    kept = _front(v, n) & cond
+    return _take(v, np.argsort(~kept, axis=0, kind="stable")), kept.sum(0)
+
+
+def _uniq(v: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """First occurrences, in order (dict.fromkeys)."""
+    before = np.tri(len(v), k=-1, dtype=bool).reshape(len(v), len(v), *[1] * (v.ndim - 1))  # [i, j]: j < i
+    earlier = (v[:, None] == v[None, :]) & before & _front(v, n)[None, :]
+    return _keep(v, n, ~earlier.any(1))
+
+
+def _moved(v: np.ndarray, n: np.ndarray, to: np.ndarray) -> np.ndarray:
+    """Position i of the list reads position to[i] (i < n; the padding stays)."""
+    return _take(v, np.where(_front(v, n), to, _pos(v)))
+
+
+_PAD = 10  # above every digit: sorts after the list
+LIST_OPS_BATCH = {
+    "sort": lambda v, n: (np.sort(np.where(_front(v, n), v, _PAD), 0), n),
+    "rev": lambda v, n: (_moved(v, n, n - 1 - _pos(v)), n),
+    "rot": lambda v, n: (_moved(v, n, (_pos(v) + 1) % np.maximum(n, 1)), n),
+    "tail": lambda v, n: (np.concatenate([v[1:], v[-1:]]), np.maximum(n - 1, 0)),
+    "even": lambda v, n: _keep(v, n, v % 2 == 0), "odd": lambda v, n: _keep(v, n, v % 2 == 1),
+    "big": lambda v, n: _keep(v, n, v > 4), "inc": lambda v, n: ((v + 1) % 10, n),
+    "dbl": lambda v, n: (2 * v % 10, n), "uniq": _uniq,
+}
+
+
+def reduce_batch(v: np.ndarray, n: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Every reducer on a batch of lists: name -> (values, whether `run` returns one: max, min, first and last
+    raise on an empty list)."""
+    front, some, every = _front(v, n), n > 0, np.ones(n.shape, dtype=bool)
+    total = np.where(front, v, 0).sum(0, dtype=np.int64)
+    last = np.take_along_axis(v, np.maximum(n - 1, 0)[None], 0)[0]
+    return {"len": (n, every), "sum": (total, every), "par": (total % 2, every),
+            "max": (np.where(front, v, -1).max(0), some), "min": (np.where(front, v, _PAD).min(0), some),
+            "first": (v[0], some), "last": (last, some), "ceven": ((front & (v % 2 == 0)).sum(0), every),
+            "sum10": (total % 10, every)}
+
+
+class BlindReviewer:
+    """Gate 3's solver over ("r", reducer, chain) programs on digit lists. `table(lists)` runs every reducer after
+    every chain the programs use, each chain computed once from its parent (one operator fewer) for all lists
+    together; `member` marks the (reducer, chain) pairs that are programs (the budget may cut a depth short)."""
+
+    def __init__(self, programs: list[tuple]):
+        self.programs = programs
+        chains = sorted({pr[2][:k] for pr in programs for k in range(len(pr[2]) + 1)} | {()}, key=len)
+        at = {c: i for i, c in enumerate(chains)}
+        self.n_chains = len(chains)
+        self.steps = []  # (operator, chains it makes, their parent chains), parents before children
+        for d in range(1, len(chains[-1]) + 1):
+            for op in LIST_OPS:
+                made = [c for c in chains if len(c) == d and c[-1] == op]
+                if made:
+                    self.steps.append((op, np.array([at[c] for c in made]), np.array([at[c[:-1]] for c in made])))
+        self.reducers = list(REDUCERS)
+        self.prog_reducer = np.array([self.reducers.index(pr[1]) for pr in programs], dtype=np.int64)
+        self.prog_chain = np.array([at[pr[2]] for pr in programs], dtype=np.int64)
+        self.member = np.zeros((len(self.reducers), self.n_chains), dtype=bool)
+        self.member[self.prog_reducer, self.prog_chain] = True
+
+    def table(self, lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(values, ran), each (reducers, chains, lists): the reducer after the chain on the list, and whether `run`
+        returns a value (False where it raises, and for pairs that are not programs)."""
+        if any(not 0 <= d <= 9 for x in lists for d in x):
+            raise ValueError("the reviewer reads lists of digits")
+        v = np.zeros((max([1, *map(len, lists)]), self.n_chains, len(lists)), dtype=np.int8)  # (L, chains, lists)
+        n = np.zeros((self.n_chains, len(lists)), dtype=np.int64)
+        for j, x in enumerate(lists):
+            v[: len(x), 0, j], n[0, j] = x, len(x)
+        for op, made, parents in self.steps:
+            v[:, made], n[made] = LIST_OPS_BATCH[op](v[:, parents], n[parents])
+        values = np.empty((len(self.reducers), *n.shape), dtype=np.int64)
+        ran = np.empty(values.shape, dtype=bool)
+        out = reduce_batch(v, n)  # name -> (chains, lists) each
+        for k, r in enumerate(self.reducers):
+            values[k], ran[k] = out[r]
+        return values, ran & self.member[..., None]
+
+    def outputs(self, lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(values, ran), each (programs, lists): run(program, list), and False where `run` raises."""
+        values, ran = self.table(lists)
+        return values[self.prog_reducer, self.prog_chain], ran[self.prog_reducer, self.prog_chain]
+
+
+def gate3(fam: dict, reviewer: BlindReviewer, p: Params) -> str:
     """Adversarial Blind Review from the prompt alone: ill-posed if too many instances admit a program that fits the
     3 examples but answers the query differently; trivial if the answer entropy is below `min_entropy` bits."""
-    ambiguous = 0
     try:
         insts = [generate(fam, 2000 + s, s % 3) for s in range(p.review_instances)]
         answers20 = [generate(fam, 3000 + s, s % 3)["answer"] for s in range(20)]
     except (ValueError, IndexError):
         return "exception"
-    for inst in insts:
-        lists, answers, query = parse(inst["prompt"])
-        for prog in programs:
-            try:
-                if all(run(prog, x) % 10 == a for x, a in zip(lists, answers, strict=True)) and \
-                        str(run(prog, query) % 10) != inst["answer"]:
-                    ambiguous += 1
-                    break
-            except (ValueError, IndexError):
-                continue
+    seen = [parse(inst["prompt"]) for inst in insts]  # (example lists, their answers, query) per instance
+    values, ran = reviewer.table([x for lists, _, query in seen for x in (*lists, query)])
+    digits = values % 10  # (reducers, chains, lists): the reviewer's answers
+    ambiguous, col = 0, 0
+    for (lists, answers, _), inst in zip(seen, insts, strict=True):
+        k = len(lists)
+        fits = (ran[..., col: col + k] & (digits[..., col: col + k] == np.array(answers, dtype=np.int64))).all(-1)
+        ambiguous += bool((fits & ran[..., col + k] & (digits[..., col + k] != int(inst["answer"]))).any())
+        col += k + 1
     if ambiguous > p.max_ambiguous * p.review_instances:
         return "ambiguous"
     counts = np.unique(answers20, return_counts=True)[1]
@@ -293,12 +419,12 @@ def refine(fam: dict, failure: str) -> dict:
     return fam | {"vmax": 9, "hi": fam["hi"] + 2, "knob": fam["knob"] or "len"}
 
 
-def validate_loop(fam: dict, programs: list[tuple], p: Params, gates: int = 3) -> tuple[dict, list[bool], bool]:
+def validate_loop(fam: dict, reviewer: BlindReviewer, p: Params, gates: int = 3) -> tuple[dict, list[bool], bool]:
     """Generate-Validate-Refine: returns (final family, [gate1, gate2, gate3] passed, accepted)."""
     for attempt in range(p.max_refine + 1):
         fam = fam | {"refine": attempt}
         checks = [lambda f: gate1(f), lambda f: gate2(f, p.gate2_instances, p.gate2_agree),
-                  lambda f: gate3(f, programs, p)][:gates]
+                  lambda f: gate3(f, reviewer, p)][:gates]
         passed = []
         for check in checks:
             failure = check(fam)
@@ -343,7 +469,7 @@ def seed_families(n: int, rng: np.random.Generator) -> list[dict]:
 def evolve(p: Params, seeds: list[dict], rng: np.random.Generator) -> tuple[list[dict], list[dict]]:
     """Rounds of author proposals through Generate-Validate-Refine; the bandit picks operators by acceptance.
     Returns every candidate (with gate results) and the no-gate admissions (Gate 1 only)."""
-    programs = review_programs(p.review_depth, p.review_budget)
+    reviewer = BlindReviewer(review_programs(p.review_depth, p.review_budget))
     accepted = list(seeds)
     wins, trials = np.ones(len(OPERATORS)), np.full(len(OPERATORS), 2.0)  # Beta(1, 1) priors
     candidates, no_gate = [], []
@@ -352,12 +478,12 @@ def evolve(p: Params, seeds: list[dict], rng: np.random.Generator) -> tuple[list
         for c in range(p.candidates):
             k = int(np.argmax(rng.beta(wins, trials - wins)))  # Thompson sampling on acceptance rate
             raw = author(OPERATORS[k], pool, rng, f"r{r}c{c}") | {"round": r}
-            fam, gates, ok = validate_loop(raw, programs, p)
+            fam, gates, ok = validate_loop(raw, reviewer, p)
             wins[k] += ok
             trials[k] += 1
             candidates.append(fam | {"gate1": gates[0], "gate2": gates[1], "gate3": gates[2], "accepted": ok})
             accepted += [fam] if ok else []
-            g1, _, ok1 = validate_loop(raw, programs, p, gates=1)
+            g1, _, ok1 = validate_loop(raw, reviewer, p, gates=1)
             no_gate += [g1] if ok1 else []
     return candidates, no_gate
 
@@ -508,13 +634,14 @@ def _load(data_dir: Path) -> dict:
 
 def encode(prompts, alphabet: str, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded char ids (N, max_len) (0 = pad) and lengths (N,); the answer is read at position len - 1."""
-    ids = torch.zeros(len(prompts), max_len, dtype=torch.long)
-    lens = torch.zeros(len(prompts), dtype=torch.long)
+    code = {c: 1 + alphabet.index(c) for c in set(alphabet)}
+    ids = np.zeros((len(prompts), max_len), dtype=np.int64)
+    lens = np.zeros(len(prompts), dtype=np.int64)
     for i, s in enumerate(prompts):
         s = s[-max_len:]
-        ids[i, : len(s)] = torch.tensor([1 + alphabet.index(c) for c in s])
+        ids[i, : len(s)] = [code[c] for c in s]
         lens[i] = len(s)
-    return ids, lens
+    return torch.from_numpy(ids), torch.from_numpy(lens)
 
 
 def _policy(p: Params, vocab: int) -> TinyLM:
@@ -568,12 +695,9 @@ def held_out(nets: list[nn.Module], d: dict, p: Params) -> np.ndarray:
     """Greedy held-out correctness (len(nets), N) on the eval suites."""
     ev = d["eval"]
     ids, lens = encode(ev["prompt"], d["alphabet"], p.max_prompt)
-    out = []
-    for net in nets:
-        pred = answer_logits(net, ids, lens).argmax(-1)
-        chars = [""] + list(d["alphabet"])
-        out.append([chars[int(t)] == a for t, a in zip(pred, ev["answer"], strict=True)])
-    return np.array(out, dtype=bool)
+    chars, answers = np.array(["", *d["alphabet"]], dtype=object), np.asarray(ev["answer"], dtype=object)
+    preds = [answer_logits(net, ids, lens).argmax(-1).cpu().numpy() for net in nets]  # (N,) token ids each
+    return np.array([chars[pred] == answers for pred in preds], dtype=bool)
 
 
 def _accuracies(correct: np.ndarray, ev: dict) -> np.ndarray:
@@ -622,8 +746,8 @@ def train(ctx) -> None:
             g = torch.Generator().manual_seed(p.seed * 1_000_003 + step * 1009 + ctx.rank)
             probs = logits.softmax(-1).reshape(b * a, -1)  # (B*A, V)
             samples = torch.multinomial(probs, p.group, True, generator=g).reshape(b, a, -1)  # (B, A, G)
-        chars = [""] + list(d["alphabet"])
-        rewards = torch.tensor([[[_reward(d, int(batch["rows"][i, j]), chars[int(s)]) for s in samples[i, j]]
+        chars, rows, drawn = [""] + list(d["alphabet"]), batch["rows"].cpu().numpy(), samples.cpu().numpy()
+        rewards = torch.tensor([[[_reward(d, int(rows[i, j]), chars[s]) for s in drawn[i, j]]
                                  for j in range(a)] for i in range(b)])  # (B, A, G)
         loss, kl_term = grpo_loss(logits, ref_logits.to(logits.device), samples, rewards.to(logits.device), p.kl)
         metrics = {f"{arm}/reward": float(rewards[:, k].mean()) for k, arm in enumerate(ARMS)}
