@@ -111,6 +111,7 @@ def _plan_child(send, job: tuple) -> None:
     import torch
 
     torch.set_num_threads(1)  # one core per planner: `workers` of them share the machine
+    os.dup2(2, 1)  # whatever the paper or native code prints goes to stderr: the parent's stdout is the table/JSON
     try:
         send.send(_plan_one(job))
     finally:
@@ -142,6 +143,8 @@ def table(plans: list[dict[str, Any]]) -> str:
         traced = ", ".join(ph["name"] for ph in p["phases"]) or "none"
         if p["stopped"]:
             traced += f" (then: {p['stopped'][:60]})"
+        if p.get("traced_as"):
+            traced += f" ({p['traced_as'].split(':')[0]})"
         rows.append(f"| {p['paper']} | {p['ranks']} | {_hours(p['gpu_hours'])} | {_gib(p['peak_rank_bytes'])} | "
                     f"{_gib(p['data_bytes'])} | {p['zero_stage']} | {traced.replace('|', '/')} | {verdict} |")
     return "\n".join(rows)
@@ -163,6 +166,8 @@ def phase_table(p: dict[str, Any]) -> str:
     lines.append(f"peak per rank {_gib(p['peak_rank_bytes'])} GiB; {p['flops_total'] / 1e15:.2f} PFLOP; "
                  f"{_hours(p['gpu_hours'])} GPU-hours ({p['ranks']} GPUs: {p['gpu_hours'] / p['ranks']:.2f} h wall)")
     lines.append(f"host memory for the data: {_gib(p['data_bytes'])} GiB ({p['data_note']})")
+    if p.get("traced_as"):
+        lines.append(f"traced as: {p['traced_as']}")
     if p["stopped"]:
         lines.append(f"trace ended early: {p['stopped']} (the phases after it are not planned)")
     lines += [f"DOES NOT FIT: {problem}" for problem in p["problems"]] or [

@@ -72,7 +72,9 @@ class Params(PaperParams):
     topic_share: float = Field(0.5, gt=0, le=1, description="Share of topic words in a text (rest generic).")
     noise: list[tuple[float, float]] = Field([(0.1, 0.1), (0.4, 0.4)], min_length=1,
                                              description="(eta_t, eta_e): text-noise node share, rewired edge share.")
-    n_seeds: int = Field(2, ge=1, description="Seeds: a fresh graph and initialisation per seed and setting.")
+    n_seeds: int = Field(2, ge=1, description="Seeds: a fresh graph and initialisation per seed and setting "
+                         "(independent replicas trained side by side: `paperline plan` traces one and scales).",
+                         json_schema_extra={"replicas": True})
     split: tuple[float, float] = Field((0.1, 0.1), description="Train and validation label shares (rest test).")
     text_encoder: Literal["minilm", "hashed"] = Field("minilm", description="Node text embeddings.")
     pe_dim: int = Field(16, ge=1, description="Laplacian eigenvector PEs of the structural encoder.")

@@ -93,6 +93,7 @@ class Phase:
     batch: dict[str, list[int]]  # the rank's slice of the global batch: name -> shape
     flops_step: float  # per rank, forward + backward (FlopCounterMode; elementwise ops are not counted)
     activation_bytes: int  # peak of one step beyond weights and gradients, at the run's precision
+    saved_bytes: int = 0  # of those, alive when backward starts (what a forward keeps for its backward)
     weights_bytes: int = 0
     grads_bytes: int = 0
     optimizer_bytes: int = 0
@@ -116,6 +117,7 @@ class Plan:
     data_bytes: int = 0  # host memory of a node for the data (tables at the profile's size x ranks on the node)
     data_note: str = ""
     stopped: str = ""  # why the trace ended before train() returned ("" when it returned)
+    traced_as: str = ""  # how the trace was reduced and scaled back (replica counts), "" when traced as it is
     seconds: float = 0.0
 
     @property
@@ -280,12 +282,19 @@ class PlanContext:
                     if not isinstance(t, FakeTensor)}  # weights made before the fake mode: fake copies for the step
             fakes = {n: mode.from_tensor(t, static_shapes=True).requires_grad_(t.requires_grad)
                      for n, t in real.items()}
+            # storages that exist before the step (weights, buffers, the batch) are not activations, views of them
+            # (a weight's transpose in every linear layer) neither
+            step.known = {t.untyped_storage()._cdata for t in [*fakes.values(), *model.parameters(),
+                                                               *model.buffers(), *local.values()]
+                          if isinstance(t, torch.Tensor)}
             with _reparametrize_module(model, fakes, strict=False), step:
                 loss, _ = step_fn(engine, local, 0)
+                step.mark()
                 loss.backward()
             weights = [*fakes.values(), *(p for p in model.parameters() if isinstance(p, FakeTensor))]
             grads = {t.grad.untyped_storage()._cdata for t in weights if t.grad is not None}
-        transient = step.peak(exclude=grads)
+        transient, saved = step.peak(exclude=grads)
+        scale = 0.5 if self.params.bf16 else 1.0
         trainable = [p for p in model.parameters() if p.requires_grad]
         largest = max((sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad)
                        for m in model.modules()), default=0)
@@ -294,7 +303,7 @@ class PlanContext:
             buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
             batch={k: list(v.shape) for k, v in local.items() if isinstance(v, torch.Tensor)},
             flops_step=float(step.flops),
-            activation_bytes=int(transient * (0.5 if self.params.bf16 else 1.0))))
+            activation_bytes=int(transient * scale), saved_bytes=int(saved * scale)))
         self._traced[key] = self.phases[-1]
         engine.step()
 
@@ -356,6 +365,11 @@ class _StepCounter(torch.utils._python_dispatch.TorchDispatchMode):
         self.flops = 0
         self.events: list[tuple[int, int]] = []  # (storage id, +bytes / -bytes)
         self._seen: dict[int, weakref.ref] = {}
+        self._backward_at = None  # index into events where backward starts
+        self.known: set[int] = set()  # storages made before the step: never counted
+
+    def mark(self) -> None:
+        self._backward_at = len(self.events)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.utils.flop_counter import flop_registry
@@ -371,7 +385,7 @@ class _StepCounter(torch.utils._python_dispatch.TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
                 key = st._cdata
-                if key not in self._seen:
+                if key not in self._seen and key not in self.known:
                     size = st.nbytes()
                     self.events.append((key, size))
                     self._seen[key] = weakref.ref(st, lambda _, k=key, s=size: self._free(k, s))
@@ -381,13 +395,16 @@ class _StepCounter(torch.utils._python_dispatch.TorchDispatchMode):
         self.events.append((key, -size))
         self._seen.pop(key, None)
 
-    def peak(self, exclude: set[int]) -> int:
-        now = best = 0
-        for key, delta in self.events:
+    def peak(self, exclude: set[int]) -> tuple[int, int]:
+        """(largest total alive at once, total alive when backward started), leaving out `exclude`."""
+        now = best = saved = 0
+        for i, (key, delta) in enumerate(self.events):
+            if i == self._backward_at:
+                saved = now
             if key not in exclude:
                 now += delta
                 best = max(best, now)
-        return best
+        return best, (now if self._backward_at is None or self._backward_at >= len(self.events) else saved)
 
 
 def _same_metadata_ops() -> frozenset:
@@ -688,6 +705,10 @@ def plan(paper_id: str, raw: Mapping[str, Any], test_raw: Mapping[str, Any], *, 
         raise ValueError(f"unknown gpu {gpu!r}; known: {', '.join(GPUS)}")
     paper = registry.get(paper_id)
     params = registry.validate(paper, raw, where=f"papers.{paper_id}.{profile}")
+    replicas = replica_counts(paper, params)
+    if replicas:  # independent copies trained side by side cost the same each: one is traced (and its data
+        raw = {**raw, **dict.fromkeys(replicas, 1)}  # prepared), its costs scaled back
+        params = registry.validate(paper, raw, where=f"papers.{paper_id}.{profile}")
     # pretrained weights from a local file change values, not shapes or costs: traced without them
     unread = sorted(k for k in raw if _WEIGHTS_KEY.fullmatch(k) and raw[k])
     if unread:
@@ -705,6 +726,9 @@ def plan(paper_id: str, raw: Mapping[str, Any], test_raw: Mapping[str, Any], *, 
     out_dir = cache / "out" / paper_id
     out_dir.mkdir(parents=True, exist_ok=True)
     budget_s = BUDGET_S if budget_s is None else budget_s
+    if replicas:
+        result.traced_as = ", ".join(f"{k} = {n} replicas traced as 1" for k, n in replicas.items()) + \
+            f": every phase's parameters, buffers, FLOPs and saved activations x {math.prod(replicas.values())}"
     def trace(real_data: bool) -> tuple[list[Phase], str]:  # real values may abort native code: in a child
         run = _forked if real_data else (lambda fn, *a, **k: fn(*a, **k))
         return run(_trace, paper, params, data_dir, out_dir, budget_s, real_data=real_data)
@@ -717,13 +741,31 @@ def plan(paper_id: str, raw: Mapping[str, Any], test_raw: Mapping[str, Any], *, 
         again, stopped = trace(not REAL_DATA_FIRST)
         if (not stopped, len(again)) > (False, len(phases)):
             phases, result.stopped = again, stopped
+    scale = math.prod(replicas.values())
     for ph in phases:
+        ph.params, ph.buffers = ph.params * scale, ph.buffers * scale
+        # lock-step copies: every copy's saved activations are alive when backward starts, one copy's transients
+        ph.flops_step, ph.activation_bytes = ph.flops_step * scale, ph.activation_bytes + (scale - 1) * ph.saved_bytes
+        ph.saved_bytes *= scale
         ph.weights_bytes, ph.grads_bytes, ph.optimizer_bytes = model_states(
             ph.params, ph.largest_layer, params.ranks, params.zero_stage, params.bf16)
         ph.rank_bytes = (ph.weights_bytes + ph.grads_bytes + ph.optimizer_bytes + ph.buffers + ph.activation_bytes)
     result.phases = phases
     result.seconds = time.monotonic() - t0
     return result
+
+
+def replica_counts(paper, params: PaperParams) -> dict[str, int]:
+    """Counts (> 1) of the fields a paper declares as replicas (`Field(..., json_schema_extra={"replicas": True})`):
+    that many independent copies of every network, trained side by side in the same phases on the same batches,
+    so each phase's parameters, buffers, FLOPs and saved activations are that many times one copy's."""
+    out = {}
+    for name, spec in type(params).model_fields.items():
+        extra = spec.json_schema_extra if isinstance(spec.json_schema_extra, dict) else {}
+        value = getattr(params, name)
+        if extra.get("replicas") and isinstance(value, int) and value > 1:
+            out[name] = value
+    return out
 
 
 def _trace(paper, params: PaperParams, data_dir: Path, out_dir: Path, budget_s: float,
@@ -789,6 +831,7 @@ def _forked(fn: Callable, *args, **kwargs) -> tuple[list[Phase], str]:
     pid = os.fork()
     if pid == 0:  # the child: answer through the pipe, then leave without the interpreter's teardown
         os.close(read)
+        os.dup2(2, 1)  # native code's messages (LAPACK's) go to stderr: stdout is the plan's, and `--json` is parsed
         # a fork of a process with threads can deadlock on a lock another thread held (no CPU is spent, so the
         # budget's SIGPROF never comes): a wall-clock alarm ends such a child, and the retry counts as died
         signal.signal(signal.SIGALRM, signal.SIG_DFL)

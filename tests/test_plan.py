@@ -233,3 +233,68 @@ def test_a_step_traced_before_is_not_traced_again(tmp_path):
     a, b, c = ctx.phases
     assert len(calls) == 2 and (b.name, b.steps) == ("b", 3200) and b.flops_step == a.flops_step
     assert c.flops_step == pytest.approx(2 * a.flops_step) and c.params == 8 * 64 + 64
+
+
+def test_data_side_loops_hold_real_values_and_weights_stay_fake(tmp_path):
+    """In the first trace a table filled row by row from a paper's seeded draws holds the draws' real values (its
+    loop runs at NumPy speed, its branches are the real ones), while every weight is a fake."""
+    import types
+
+    import numpy as np
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    seen = {}
+
+    def train(ctx):
+        table = np.full((50, 2), np.nan, np.float32)
+        view = torch.from_numpy(table)  # a replay buffer: NumPy rows viewed as a tensor
+        for row in range(50):
+            g = torch.Generator().manual_seed(row)
+            table[row] = (torch.rand(2, generator=g) * 2 - 1).numpy()
+        seen["sum"] = float(view.sum())
+        model = torch.nn.Linear(2, 3)
+        seen["fake_weight"] = isinstance(model.weight, FakeTensor)
+        ctx.fit("fit", ctx.engine(model, 1e-3), lambda engine, b, step: (engine(b["x"]).sum(), {}),
+                lambda step: {"x": view[:8]}, 10)
+
+    expected = sum(float((torch.rand(2, generator=torch.Generator().manual_seed(r)) * 2 - 1).sum()) for r in range(50))
+    phases, stopped = planning._trace(types.SimpleNamespace(train=train), _Params(), tmp_path, tmp_path, 20.0,
+                                      real_data=True)
+    assert stopped == "" and phases[0].batch == {"x": [8, 2]}
+    assert seen["sum"] == pytest.approx(expected, rel=1e-5) and seen["fake_weight"]
+
+
+def test_all_reduce_sum_adds_every_ranks_copy(tmp_path):
+    """Ranks hold what the traced rank holds: the sum is world_size times it, in place (a paper's check that every
+    rank collected the same data compares exactly that)."""
+    ctx = _ctx(tmp_path, ranks=4)
+    t = torch.tensor([1.0, 2.5])
+    assert ctx.all_reduce_sum(t) is t and t.tolist() == [4.0, 10.0]
+
+
+def test_declared_replicas_are_traced_once_and_scaled(tmp_path, monkeypatch):
+    """A paper that trains `n_copies` independent copies side by side declares the field as replicas: the plan
+    traces one copy and scales parameters, activations and FLOPs, the same numbers as tracing them all."""
+    import types
+
+    from pydantic import Field
+
+    class Params(PaperParams):
+        n_copies: int = Field(1, json_schema_extra={"replicas": True})
+
+    def train(ctx):
+        nets = torch.nn.ModuleDict({f"s{i}": torch.nn.Linear(16, 32) for i in range(ctx.params.n_copies)})
+        step = lambda engine, b, step: (sum(n(b["x"]).square().sum() for n in engine.module.values()), {})  # noqa: E731
+        ctx.fit("fit", ctx.engine(nets, 1e-3), step, lambda step: {"x": torch.randn(8, 16)}, 10)
+
+    paper = types.SimpleNamespace(id="toy", Params=Params, train=train, prepare=lambda p, out: None, learns=True)
+    monkeypatch.setattr(registry, "get", lambda pid: paper)
+    monkeypatch.setattr(planning, "real_format", lambda *a: None, raising=False)
+    monkeypatch.setattr(planning, "REAL_DATA_FIRST", False)
+    scaled = planning.plan("toy", {"n_copies": 5}, {}, cache=tmp_path)
+    monkeypatch.setattr(Params.model_fields["n_copies"], "json_schema_extra", {})
+    full = planning.plan("toy", {"n_copies": 5}, {}, cache=tmp_path / "all")
+    (a,), (b,) = scaled.phases, full.phases
+    assert "n_copies = 5 replicas traced as 1" in scaled.traced_as and not full.traced_as
+    assert (a.params, a.flops_step) == (b.params, b.flops_step) == (5 * (16 * 32 + 32), a.flops_step)
+    assert a.activation_bytes == pytest.approx(b.activation_bytes, rel=0.2)
