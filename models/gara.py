@@ -246,10 +246,10 @@ class Queries:
                "valid": torch.arange(self.p.max_labels)[None, :] < n_cands[:, None],  # (B, L)
                "task": torch.stack([it["task"] for it in items])}
         for key, cap in (("prompt", self.p.prompt_chars), ("graph_text", self.p.text_chars)):
-            ids = torch.zeros(len(items), cap, dtype=torch.long)
+            ids = np.zeros((len(items), cap), dtype=np.int64)
             for i, it in enumerate(items):
-                ids[i, : len(it[key])] = torch.tensor(it[key])
-            out[key], out[f"{key}_len"] = ids, torch.tensor([len(it[key]) for it in items])
+                ids[i, : len(it[key])] = it[key]
+            out[key], out[f"{key}_len"] = torch.from_numpy(ids), torch.tensor([len(it[key]) for it in items])
         return out
 
     def graph_batch(self, qs: list[int]) -> Batch:
@@ -374,19 +374,31 @@ class Methods(nn.Module):
         self.nets = nn.ModuleDict(nets)
 
     def forward(self, gb: Batch, batch: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """-> answer logits (B, L) per network, and dW norms (before, after) of the generated ones."""
-        lm, valid, logits, norms = self._lm[0], batch["valid"], {}, {}
-        for name, net in self.nets.items():
+        """-> answer logits (B, L) per network, and dW norms (before, after) of the generated ones. The frozen LM
+        reads the networks that share a prompt and an injection (per-layer LoRA deltas or a soft prefix) as one
+        batch: one pass per group, each network's rows its own."""
+        lm, valid, groups, norms = self._lm[0], batch["valid"], {}, {}
+        for name, net in self.nets.items():  # (prompt, injection) -> [(network, dq, dv, prefix)]
             if isinstance(net, Generated):
                 dq, dv, before, after = net.deltas(gb, batch["task"])
-                logits[name] = answer_logits(lm, batch, "prompt", valid, dq, dv)
+                groups.setdefault(("prompt", "lora"), []).append((name, dq, dv, None))
                 norms[name] = (before, after)
             elif isinstance(net, SoftPrompt):
-                logits[name] = answer_logits(lm, batch, "prompt", valid, prefix=net(gb, batch["task"]))
+                groups.setdefault(("prompt", "prefix"), []).append((name, None, None, net(gb, batch["task"])))
             else:
                 dq, dv = net.deltas(len(valid))
-                logits[name] = answer_logits(lm, batch, "graph_text", valid, dq, dv)
-        return logits, norms
+                groups.setdefault(("graph_text", "lora"), []).append((name, dq, dv, None))
+        logits = {}
+        for (key, how), members in groups.items():
+            n = len(members)
+            rows = {key: batch[key].repeat(n, 1), f"{key}_len": batch[f"{key}_len"].repeat(n)}
+            layers = range(len(members[0][1])) if how == "lora" else []
+            dq = [torch.cat([m[1][i] for m in members]) for i in layers] if how == "lora" else None
+            dv = [torch.cat([m[2][i] for m in members]) for i in layers] if how == "lora" else None
+            prefix = torch.cat([m[3] for m in members]) if how == "prefix" else None
+            out = answer_logits(lm, rows, key, valid.repeat(n, 1), dq, dv, prefix)  # (n B, L)
+            logits |= {m[0]: chunk for m, chunk in zip(members, out.chunk(n), strict=True)}
+        return {name: logits[name] for name in self.nets}, norms
 
 
 # ---- training ----------------------------------------------------------------------------------------------
@@ -413,7 +425,8 @@ def train(ctx) -> None:
         batch = qb.batch(b["q"].tolist())
         ids = batch["prompt"]
         full = torch.cat([ids, torch.zeros(len(ids), 1, dtype=torch.long)], 1)  # room for the answer letter
-        full[torch.arange(len(ids)), batch["prompt_len"]] = torch.tensor([STOI[LETTERS[a]] for a in batch["answer"]])
+        letters = torch.tensor([STOI[LETTERS[a]] for a in batch["answer"].tolist()])
+        full[torch.arange(len(ids)), batch["prompt_len"]] = letters
         logits = engine(full[:, :-1])  # (B, T, V)
         lm_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), full[:, 1:].reshape(-1), ignore_index=0)
         ans = answer_logits(engine.module, batch, "prompt", batch["valid"])

@@ -62,6 +62,32 @@ def test_generated_lora_is_low_rank_and_norm_constrained(tmp_path):
             assert torch.allclose(after, before)
 
 
+def test_methods_read_the_lm_in_groups_with_each_network_s_own_logits(tmp_path):
+    """Methods.forward runs the frozen LM once per (prompt, injection) group; each network's rows equal its own
+    pass over the batch (as `answer_logits` per network)."""
+    p = gara.Params(n_train_graphs=2, n_val_graphs=1, n_test_graphs=1, nodes_train=(12, 16), nodes_test=(12, 16),
+                    text_encoder="hashed", lm_width=16, lm_layers=2, lm_heads=2, hidden=8, rank=2, n_seeds=2,
+                    prompt_chars=40, text_chars=40)
+    gara.prepare(p, tmp_path)
+    qb = gara.Queries(tmp_path, p)
+    qs = qb.where("train")[:5].tolist()
+    lm = gara.TinyLM(len(gara.ALPHABET), 16, 2, 2, 41).eval()
+    methods = gara.Methods(p, qb.query(qs[0])["graph"].x.shape[1], lm)
+    gb, batch = qb.graph_batch(qs), qb.batch(qs)
+    with torch.no_grad():
+        logits, norms = methods(gb, batch)
+        assert list(logits) == list(methods.nets) and set(norms) == {"gara_0", "gara_1", "no_norm_0", "no_norm_1"}
+        for name, net in methods.nets.items():
+            if isinstance(net, gara.Generated):
+                dq, dv, *_ = net.deltas(gb, batch["task"])
+                alone = gara.answer_logits(lm, batch, "prompt", batch["valid"], dq, dv)
+            elif isinstance(net, gara.SoftPrompt):
+                alone = gara.answer_logits(lm, batch, "prompt", batch["valid"], prefix=net(gb, batch["task"]))
+            else:
+                alone = gara.answer_logits(lm, batch, "graph_text", batch["valid"], *net.deltas(len(qs)))
+            assert logits[name].shape == (5, p.max_labels) and torch.allclose(logits[name], alone, atol=1e-5), name
+
+
 def test_zero_shot_split_and_query_views(tmp_path):
     p = gara.Params(n_train_graphs=3, n_val_graphs=1, n_test_graphs=2, nodes_train=(20, 30), nodes_test=(20, 30),
                     text_encoder="hashed", ego_max=10)
