@@ -135,12 +135,10 @@ def prepare(p: Params, out_dir: Path) -> None:
 
 
 def encode(texts: list[str], length: int) -> torch.Tensor:
-    """ASCII codes, left-padded with 0 so the answer position is always the last -> (B, length)."""
-    out = torch.zeros(len(texts), length, dtype=torch.long)
-    for i, t in enumerate(texts):
-        codes = [min(ord(c), 127) for c in t[-length:]]
-        out[i, length - len(codes):] = torch.tensor(codes)
-    return out
+    """ASCII codes, left-padded with 0 so the answer position is always the last -> (B, length). Built in NumPy
+    and made a tensor once (a tensor per row cost more than the row)."""
+    codes = np.array([[ord(c) for c in t[-length:].rjust(length, "\0")] for t in texts], np.int64)
+    return torch.from_numpy(np.minimum(codes.reshape(len(texts), length), 127))
 
 
 def prompt(question: str, peers: list[int] | None) -> str:
@@ -191,8 +189,9 @@ def debate(agents: list[nn.Module], questions: list[str], rounds: int, length: i
     answers = torch.zeros(len(questions), n, rounds, dtype=torch.long)
     with torch.no_grad():
         for r in range(rounds):
+            prev = answers[:, :, r - 1].tolist() if r else None  # (Q, N) as Python ints, read once per round
             for i, agent in enumerate(agents):
-                texts = [prompt(q, None if r == 0 else [int(answers[k, j, r - 1]) for j in range(n) if j != i])
+                texts = [prompt(q, None if r == 0 else [a for j, a in enumerate(prev[k]) if j != i])
                          for k, q in enumerate(questions)]
                 tokens[:, i, r] = encode(texts, length)
                 probs[:, i, r] = agent(tokens[:, i, r]).softmax(-1)
@@ -296,7 +295,8 @@ def train(ctx) -> None:
             idx = pool[torch.randint(0, len(pool), (p.pretrain_batch,), generator=g)]
             debate_form = torch.rand(p.pretrain_batch, generator=g) < 0.5
             peers = torch.randint(0, 10, (p.pretrain_batch, 2), generator=g)
-            texts = [prompt(d["text"][i], peers[j].tolist() if debate_form[j] else None) for j, i in enumerate(idx)]
+            texts = [prompt(d["text"][i], pe if form else None)
+                     for i, form, pe in zip(idx.tolist(), debate_form.tolist(), peers.tolist(), strict=True)]
             batch[f"x{k}"] = encode(texts, length)  # (B, L)
             batch[f"y{k}"] = d["labels"][name.split("_")[1][0]][idx]  # the agent type's own view
         return batch
@@ -318,7 +318,7 @@ def train(ctx) -> None:
         g = torch.Generator().manual_seed(p.seed * 100_003 + 7 + step)
         chosen = torch.from_numpy(rl_qids)[torch.randperm(len(rl_qids), generator=g)[: p.rl_questions]]
         qids = chosen.repeat_interleave(p.group)  # (Q G,): consecutive rows form a group
-        texts, truth = [d["text"][i] for i in qids], d["answer"][qids]
+        texts, truth = [d["text"][i] for i in qids.tolist()], d["answer"][qids]
         batch = {}
         for arm in ARMS:
             for s in range(p.n_seeds):

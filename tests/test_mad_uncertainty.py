@@ -48,6 +48,30 @@ def test_debate_passes_previous_round_answers_to_peers():
     assert out["probs"].shape == (2, 3, 2, 10)
 
 
+class Constant(torch.nn.Module):
+    """An 'agent' that always answers `digit`."""
+
+    def __init__(self, digit: int):
+        super().__init__()
+        self.digit = digit
+
+    def forward(self, tokens):
+        return 10.0 * torch.nn.functional.one_hot(torch.full((tokens.shape[0],), self.digit), 10).float()
+
+
+def test_each_agent_sees_its_peers_answers_not_its_own():
+    out = mad.debate([Constant(1), Constant(2), Constant(5)], ["3+4", "6*6"], rounds=2, length=20, greedy=True)
+    texts = ["".join(chr(c) for c in out["tokens"][1, i, 1].tolist() if c) for i in range(3)]
+    assert texts == ["6*6|A1:2;A2:5=", "6*6|A1:1;A2:5=", "6*6|A1:1;A2:2="]
+
+
+def test_encode_left_pads_keeps_the_end_and_clamps_to_ascii():
+    x = mad.encode(["3+4=", "12345678", "\u00e9="], 6)
+    assert x.dtype == torch.long and x.shape == (3, 6)
+    assert x.tolist() == [[0, 0, *map(ord, "3+4=")], list(map(ord, "345678")), [0, 0, 0, 0, 127, ord("=")]]
+    assert mad.encode([], 6).shape == (0, 6)
+
+
 def test_rewards_match_hand_computation():
     probs = torch.zeros(1, 3, 2, 10)
     probs[0, :, 0] = torch.eye(10)[[1, 2, 3]]  # round 1: confident and split -> EU_1 = ln 3
