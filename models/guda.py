@@ -40,6 +40,7 @@ Deviations from the paper (choices the spec left open):
 
 from __future__ import annotations
 
+import copy
 import pickle
 from pathlib import Path
 from typing import Literal
@@ -146,8 +147,17 @@ class Classifier(nn.Module):
 
 def eps_loss(net: nn.Module, x0, t, noise, alphas_cumprod, total: int) -> torch.Tensor:
     """Per-sample mean squared epsilon error (B,)."""
-    x_t = dm.q_sample(x0, t, noise, alphas_cumprod)
-    return (net(x_t, t.float() / total) - noise).pow(2).flatten(1).mean(1)
+    return eps_error(net, *noised(x0, t, noise, alphas_cumprod, total), noise)
+
+
+def noised(x0, t, noise, alphas_cumprod, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x_t and the network's noise-level input t / T (computed once for every network of a lock-step batch)."""
+    return dm.q_sample(x0, t, noise, alphas_cumprod), t.float() / total
+
+
+def eps_error(net: nn.Module, x_t, level, noise) -> torch.Tensor:
+    """Per-sample mean squared epsilon error (B,) of `net` at the noised x_t."""
+    return (net(x_t, level) - noise).pow(2).flatten(1).mean(1)
 
 
 class Phase1(nn.Module):
@@ -169,8 +179,9 @@ class Phase1(nn.Module):
 
     def forward(self, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         losses = {"classifier": F.cross_entropy(self.classifier(b["x"]), b["group"])}
+        x_t, level = noised(b["x"], b["t"], b["noise"], self.alphas_cumprod, self.p.ddpm_steps)
         for name, net in self.nets.items():
-            per = eps_loss(net, b["x"], b["t"], b["noise"], self.alphas_cumprod, self.p.ddpm_steps)
+            per = eps_error(net, x_t, level, b["noise"])  # (B,)
             held = int(name[4:].split("_")[0]) if name.startswith("logo") else -1
             keep = (b["group"] != held).float()
             losses[name] = (per * keep).sum() / keep.sum().clamp(min=1)
@@ -191,8 +202,9 @@ class Unlearn(nn.Module):
 
     def forward(self, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
+        x_t, level = noised(b["x"], b["t"], b["noise"], self.alphas_cumprod, self.p.ddpm_steps)
         for g, net in enumerate(self.nets.values()):
-            per = eps_loss(net, b["x"], b["t"], b["noise"], self.alphas_cumprod, self.p.ddpm_steps)  # (B,)
+            per = eps_error(net, x_t, level, b["noise"])  # (B,)
             retain, forget = (b["group"] != g).float(), (b["group"] == g).float()
             l_retain = (per * retain).sum() / retain.sum().clamp(min=1)
             l_forget = (per * forget).sum() / forget.sum().clamp(min=1)
@@ -236,11 +248,15 @@ def train(ctx) -> None:
             p.unlearn_steps)
     if ctx.rank == 0:
         torch.save({"phase1": phase1.state_dict(), "unlearn": unlearn.state_dict()}, ctx.out_dir / "models.pt")
+        # theta* samples in fp32 where it trained (a GPU run leaves it on the GPU, in bf16 under DeepSpeed's bf16)
+        net, weight = phase1.nets["full_s0"].eval(), next(phase1.nets["full_s0"].parameters())
+        if weight.dtype != torch.float32:
+            net = copy.deepcopy(net).float()
         x = torch.randn(p.n_generated, *SHAPES[p.dataset], generator=torch.Generator().manual_seed(p.seed + 5))
-        net = phase1.nets["full_s0"].eval()
+        x = x.to(weight.device)
         gen = dm.ddim_sample(lambda x_t, t: net(x_t, t.float() / p.ddpm_steps), x, p.ddpm_steps, p.ddim_steps)
         write_table(ctx.out_dir / "generated.parquet", {"sample_id": np.arange(p.n_generated),
-                                                        "pixels": gen.clamp(-1, 1).flatten(1).numpy()})
+                                                        "pixels": gen.clamp(-1, 1).flatten(1).cpu().numpy()})
 
 
 # ---- attribution scores -----------------------------------------------------------------------------------------
