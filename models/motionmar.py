@@ -102,7 +102,9 @@ class Params(PaperParams):
     vq_steps: int = Field(200, ge=1, description="Steps of both VQ-VAEs (lock-step).")
     ar_steps: int = Field(300, ge=1, description="Steps of MAN+SAC, the flat AR and direct regression (lock-step).")
     mrn_steps: int = Field(150, ge=1, description="Steps of MRN on MAN outputs.")
-    n_seeds: int = Field(1, ge=1, description="Independent seeds of every network; metrics are means over them.")
+    n_seeds: int = Field(1, ge=1, description="Independent seeds of every network, trained side by side on the same "
+                         "batches; metrics are means over them (replicas: `paperline plan` traces one and scales).",
+                         json_schema_extra={"replicas": True})
 
 
 # ---- data ----------------------------------------------------------------------------------------------------

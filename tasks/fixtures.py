@@ -1,5 +1,5 @@
 """Small files in the real formats the full profiles read (CIFAR-10 pickles, HotpotQA JSON, AnnData .h5ad, TSPLIB,
-D4RL HDF5), written from a seeded generator.
+D4RL HDF5, AMASS .npz with an SMPL body model), written from a seeded generator.
 
 Two users: the planner (`tasks/planning.py`) prepares a full profile on one of these when the real data is absent,
 so the trace sees the real row shapes (32x32x3 CIFAR images, not the test profile's 8x8 stand-in); and the loader
@@ -84,6 +84,46 @@ def d4rl(folder: Path, envs: tuple[str, ...] = ("Hopper-v5",), rows: int = 200) 
     return out
 
 
+# SMPL's kinematic tree of the 22 body joints (pelvis, hips, spine, knees, ..., head 15, wrists 20 and 21), and a
+# rest pose in AMASS's z-up frame (metres, offset of each joint from its parent; facing -y, so +x is the body's left)
+_SMPL_PARENTS = (-1, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9, 12, 13, 14, 16, 17, 18, 19)
+_SMPL_OFFSETS = ((0, 0, 0.93), (0.06, 0, -0.09), (-0.06, 0, -0.09), (0, 0, 0.11), (0.04, 0, -0.38), (-0.04, 0, -0.38),
+                 (0, 0, 0.14), (0, 0.04, -0.4), (0, 0.04, -0.4), (0, 0, 0.06), (0, -0.12, -0.06), (0, -0.12, -0.06),
+                 (0, 0, 0.21), (0.08, 0, 0.12), (-0.08, 0, 0.12), (0, -0.05, 0.09), (0.12, 0, 0.03), (-0.12, 0, 0.03),
+                 (0.26, 0, 0), (-0.26, 0, 0), (0.25, 0, 0), (-0.25, 0, 0))
+
+
+def smpl_body(folder: Path) -> Path:
+    """A body-model .npz as motionmar's loader reads it: parents (22,), joints_template (22, 3) and the joints'
+    shape directions joints_shapedirs (22, 3, 16)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rest = np.zeros((len(_SMPL_PARENTS), 3))
+    for j, (parent, offset) in enumerate(zip(_SMPL_PARENTS, _SMPL_OFFSETS, strict=True)):
+        rest[j] = (rest[parent] if parent >= 0 else 0) + np.asarray(offset)
+    path = folder / "smpl_body_model.npz"
+    np.savez(path, parents=np.asarray(_SMPL_PARENTS), joints_template=rest,
+             joints_shapedirs=np.random.default_rng(0).normal(0, 0.005, (len(_SMPL_PARENTS), 3, 16)))
+    return path
+
+
+def amass(folder: Path, frames: int = 800) -> Path:
+    """AMASS's layout: <subset>/<subject>/<take>_poses.npz with SMPL-H poses (T, 156) as axis-angles, trans (T, 3),
+    betas (16,), dmpls (T, 8), gender and mocap_framerate (120 Hz). 800 frames: two 196-frame windows at the full
+    profile's 60 fps in each of the four takes (two of which seed 0 holds out)."""
+    rng = np.random.default_rng(0)
+    t = np.arange(frames)[:, None] / 120.0
+    for k, take in enumerate(("CMU/01/01_01", "CMU/02/02_03", "BMLrub/rub001/0001_walking1", "HDM05/bk/HDM_bk_01")):
+        path = folder / f"{take}_poses.npz"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        freq, phase, amp = rng.uniform(0.5, 2.0, 156), rng.uniform(0, 2 * np.pi, 156), rng.uniform(0, 0.3, 156)
+        poses = amp * np.sin(2 * np.pi * freq * t + phase)  # (T, 156): smooth joint rotations
+        poses[:, 2] += rng.uniform(-np.pi, np.pi)  # a heading about z (up)
+        trans = np.cumsum(rng.normal(0, 0.01, (frames, 3)) * [1, 1, 0.1], 0)
+        np.savez(path, poses=poses, trans=trans, betas=rng.normal(0, 1, 16), dmpls=rng.normal(0, 1, (frames, 8)),
+                 gender=np.array("female" if k % 2 else "male"), mocap_framerate=np.array(120.0))
+    return folder
+
+
 Writer = Callable[[Path, Mapping[str, Any]], Any]  # (folder, the profile's params) -> the path key's new value
 
 # paper -> (the full profile's data keys kept, the path key a fixture replaces, the fixture writer)
@@ -97,7 +137,10 @@ REAL_FORMAT: dict[str, tuple[tuple[str, ...], str, Writer]] = {
     "guda": (("dataset",), "dataset_dir", lambda d, raw: str(cifar(d / "cifar"))),
     "protovar": (("dataset",), "dataset_dir", lambda d, raw: str(cifar(d / "cifar"))),
     "fedgr": (("dataset",), "dataset_dir", lambda d, raw: str(cifar(d / "cifar"))),
+    "motionmar": (("dataset",), "amass_dir", lambda d, raw: str(amass(d / "amass"))),
 }
+# paper -> further path keys its fixture replaces (a loader that opens more than one input), each with its writer
+ALSO_WRITES: dict[str, dict[str, Writer]] = {"motionmar": {"body_model": lambda d, raw: str(smpl_body(d))}}
 
 
 def real_format(paper_id: str, raw: Mapping[str, Any], folder: Path) -> dict[str, Any] | None:
@@ -105,4 +148,5 @@ def real_format(paper_id: str, raw: Mapping[str, Any], folder: Path) -> dict[str
     if paper_id not in REAL_FORMAT:
         return None
     keys, path_key, write = REAL_FORMAT[paper_id]
-    return {**{k: raw[k] for k in keys if k in raw}, path_key: write(folder, raw)}
+    also = {key: more(folder, raw) for key, more in ALSO_WRITES.get(paper_id, {}).items()}
+    return {**{k: raw[k] for k in keys if k in raw}, path_key: write(folder, raw), **also}

@@ -139,6 +139,26 @@ def test_amass_loader_on_tiny_fixtures(tmp_path):
     assert d["x"].shape == (6, 8, 12) and d["c"].shape == (6, 8, 18)
 
 
+def test_full_profile_reads_the_amass_fixture_at_its_own_window(tmp_path):
+    """The AMASS-format fixture the planner prepares the full profile on (tasks/fixtures.py) serves the full
+    profile's own settings: SMPL's 22 joints, 196-frame windows at 60 fps from 120 Hz takes, both splits."""
+    from models import registry
+    from tasks import settings
+    from tasks.fixtures import real_format
+
+    full = registry.raw_params("motionmar", "full", None, settings.params_file())
+    fixture = real_format("motionmar", full, tmp_path / "fixture")
+    assert set(fixture) == {"dataset", "amass_dir", "body_model"} and fixture["dataset"] == "amass"
+    p = registry.validate(registry.get("motionmar"), {**full, **fixture}, where="motionmar.full on the fixture")
+    windows, names, held = mm.load_amass(p)
+    assert len(windows) == 8 and all(w.shape == (196, 22, 3) for w in windows)  # 4 takes x 2 windows
+    assert len(set(names)) == 4 and 0 < sum(held) < len(held)  # one name a take's folder; some takes held out
+    mm.prepare(p, tmp_path)
+    d = mm.load_data(tmp_path)
+    assert d["x"].shape == (8, 196, 66) and d["c"].shape == (8, 196, 18) and 0 < int(d["test"].sum()) < 8
+    assert max(p.tracker_joints + p.lower_joints) < 22 and p.scales[-1] == p.window // 4
+
+
 def test_vqvae_loss_weights_the_root_trajectory():
     """root_weight scales the root's 3 features against each joint coordinate; the weights average to 1, so an error
     on the root costs root_weight times an equal error on a joint coordinate."""
