@@ -68,7 +68,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from models.common import diffusion as dm
-from models.common.distill import ConvNet3, augment, herding, load_cifar10, load_imagenette, mmd2, rbf
+from models.common.distill import ConvNet3, augment, herding_many, load_cifar10, load_imagenette, mmd2, rbf
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
 from models.inputs import input_path
@@ -239,11 +239,14 @@ class VAR(nn.Module):
 @torch.no_grad()
 def generate(var: VAR, tok: Tokenizer, classes: torch.Tensor, seed: int, temperature: float,
              protos: list[torch.Tensor] | None = None, betas: tuple[float, ...] = ()) -> torch.Tensor:
-    """Coarse-to-fine sampling, one VAR pass per scale. protos[s]: (C, P, k*k, D); with them the logits at scale s
-    become l - beta_s ||e_v - p||^2 / D for one prototype p drawn per sample. Returns images (B, C, H, W)."""
-    g = torch.Generator().manual_seed(seed)
+    """Coarse-to-fine sampling, one VAR pass per scale over all samples. protos[s]: (C, P, k*k, D); with them the
+    logits at scale s become l - beta_s ||e_v - p||^2 / D for one prototype p drawn per sample. The random draws
+    (prototype, tokens) come from one generator per chunk of samples [_streams], so a sample's draws do not depend
+    on how many are generated at once. Returns images (B, C, H, W)."""
     b, codes = len(classes), tok.codebook.weight  # (V, D)
-    pick = torch.randint(0, protos[0].shape[1], (b,), generator=g) if protos else None
+    streams = _streams(seed, b)
+    pick = torch.cat([torch.randint(0, protos[0].shape[1], (sl.stop - sl.start,), generator=g)
+                      for sl, g in streams]) if protos else None
     f_hat = torch.zeros(b, tok.dim, tok.scales[-1], tok.scales[-1])
     inputs, start = torch.zeros(b, 0, tok.dim), 0
     for s, k in enumerate(tok.scales):
@@ -251,8 +254,9 @@ def generate(var: VAR, tok: Tokenizer, classes: torch.Tensor, seed: int, tempera
         if protos:
             proto = protos[s][classes, pick]  # (B, k*k, D)
             logits = logits - betas[s] * torch.cdist(proto, codes[None]).pow(2) / tok.dim
-        probs = logits.softmax(-1).reshape(-1, codes.shape[0])
-        idx = torch.multinomial(probs, 1, generator=g).reshape(b, k * k)
+        probs = logits.softmax(-1)
+        idx = torch.cat([torch.multinomial(probs[sl].reshape(-1, codes.shape[0]), 1, generator=g)
+                         for sl, g in streams]).reshape(b, k * k)
         f_hat = f_hat + tok.lookup(idx, k)
         start += k * k
         if s + 1 < len(tok.scales):
@@ -269,10 +273,10 @@ def class_prototypes(residuals: list[torch.Tensor], y: torch.Tensor, n_classes: 
 
     out = []
     for r in residuals:  # (N, D, k, k)
-        flat = r.flatten(2).transpose(1, 2).reshape(len(r), -1).numpy()  # (N, k*k*D), position-major
+        flat = r.flatten(2).transpose(1, 2).reshape(len(r), -1)  # (N, k*k*D), position-major
         per_class = []
         for c in range(n_classes):
-            members = flat[(y == c).numpy()]
+            members = flat[y == c].numpy()
             km = KMeans(min(n_protos, len(members)), n_init=3, random_state=seed).fit(members)
             centres = km.cluster_centers_
             centres = np.concatenate([centres, centres[: n_protos - len(centres)]]) if len(centres) < n_protos \
@@ -337,23 +341,40 @@ class EvalEnsemble(nn.Module):
 def select(cand: torch.Tensor, conf: torch.Tensor, real: torch.Tensor, k: int, min_conf: float) -> torch.Tensor:
     """Greedy MMD selection of k candidates (features (M, F)) against real features (R, F); candidates with
     confidence below min_conf are dropped (if fewer than k remain, the most confident are kept). Returns indices."""
-    keep = torch.nonzero(conf >= min_conf).flatten()
-    if len(keep) < k:
-        keep = conf.argsort(descending=True)[:k]
-    bandwidth = float(torch.cdist(real, real).median().clamp(min=1e-6))
-    kcc, kcr = rbf(cand[keep], cand[keep], bandwidth), rbf(cand[keep], real, bandwidth).mean(1)  # (M, M), (M,)
-    chosen: list[int] = []
-    cross = torch.zeros(len(keep))  # sum over chosen of k(chosen, m)
+    return select_many([cand], [conf], [real], k, min_conf)[0]
+
+
+def select_many(cands: list[torch.Tensor], confs: list[torch.Tensor], reals: list[torch.Tensor], k: int,
+                min_conf: float) -> list[torch.Tensor]:
+    """`select` for several independent problems (one per class and generator) at once: the greedy steps of all
+    problems run together on their kernel matrices zero-padded to the largest candidate count (padding is never
+    picked), with each problem's arithmetic unchanged. Returns each problem's indices into its candidates."""
+    keeps, kccs, kcrs = [], [], []
+    for cand, conf, real in zip(cands, confs, reals, strict=True):
+        keep = torch.nonzero(conf >= min_conf).flatten()
+        if len(keep) < k:
+            keep = conf.argsort(descending=True)[:k]
+        bandwidth = float(torch.cdist(real, real).median().clamp(min=1e-6))
+        keeps.append(keep)
+        kccs.append(rbf(cand[keep], cand[keep], bandwidth))  # (M, M)
+        kcrs.append(rbf(cand[keep], real, bandwidth).mean(1))  # (M,)
+    n, m = len(keeps), max(len(keep) for keep in keeps)
+    kcc, kcr, taken = torch.zeros(n, m, m), torch.zeros(n, m), torch.ones(n, m, dtype=torch.bool)
+    for i, (a, b) in enumerate(zip(kccs, kcrs, strict=True)):
+        kcc[i, : len(b), : len(b)], kcr[i, : len(b)], taken[i, : len(b)] = a, b, False
+    rows, diag = torch.arange(n), kcc.diagonal(dim1=1, dim2=2)  # (n,), (n, m)
+    chosen = torch.zeros(n, 0, dtype=torch.long)
+    cross = torch.zeros(n, m)  # sum over chosen of k(chosen, m)
     for t in range(k):
         # MMD^2(S + m) - const = (sum_SS + 2 cross_m + k_mm) / (t+1)^2 - 2 (sum_S kcr + kcr_m) / (t+1)
-        ss = kcc[chosen][:, chosen].sum() if chosen else torch.tensor(0.0)
-        score = (ss + 2 * cross + kcc.diagonal()) / (t + 1) ** 2 - 2 * (kcr[chosen].sum() + kcr) / (t + 1)
-        if chosen:
-            score[chosen] = float("inf")
-        best = int(score.argmin())
-        chosen.append(best)
-        cross += kcc[best]
-    return keep[torch.tensor(chosen)]
+        picked = kcc.gather(1, chosen[:, :, None].expand(-1, -1, m)).gather(2, chosen[:, None, :].expand(-1, t, -1))
+        ss, sr = picked.sum((1, 2))[:, None], kcr.gather(1, chosen).sum(1)[:, None]  # (n, 1) each
+        score = ((ss + 2 * cross + diag) / (t + 1) ** 2 - 2 * (sr + kcr) / (t + 1)).masked_fill(taken, float("inf"))
+        best = score.argmin(1)  # (n,): the first minimum, as for one problem
+        chosen = torch.cat([chosen, best[:, None]], 1)
+        taken[rows, best] = True
+        cross += kcc[rows, best]
+    return [keep[c] for keep, c in zip(keeps, chosen, strict=True)]
 
 
 # ---- training: tokenizer, then VAR + latent DDPM + observer, then distillation, then the evaluation nets -------------
@@ -365,24 +386,38 @@ def _chunks(n: int, size: int = 256):
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+def _streams(seed: int, n: int) -> list[tuple[slice, torch.Generator]]:
+    """The random streams of n generated samples: one generator per chunk of 256 (`_chunks`), chunk i seeded
+    seed + i."""
+    return [(sl, torch.Generator().manual_seed(seed + i)) for i, sl in enumerate(_chunks(n))]
+
+
+@torch.no_grad()
+def ddpm_sample(p: Params, tok: Tokenizer, gens: Generators, latent_std: float, classes: torch.Tensor,
+                seed: int) -> torch.Tensor:
+    """The latent DDPM's images for the class labels: DDIM from noise drawn per chunk [_streams], then quantised and
+    decoded by the tokenizer (VQ-regularised). Returns (B, C, H, W)."""
+    side = p.scales[-1]
+    z = torch.cat([torch.randn(sl.stop - sl.start, p.latent_dim, side, side, generator=g)
+                   for sl, g in _streams(seed, len(classes))])  # (B, D, K, K)
+    cond = F.one_hot(classes, gens.n_classes).float()
+    z = dm.ddim_sample(lambda x, t: gens.unet(x, t.float() / p.ddpm_steps, cond), z, p.ddpm_steps, p.ddim_steps)
+    return tok.decoder(tok.quantize(z * latent_std)[1]).clamp(-1, 1)
+
+
 @torch.no_grad()
 def sample_pools(p: Params, tok: Tokenizer, gens: Generators, protos: list[torch.Tensor], latent_std: float,
-                 classes: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Candidate images (M, C, H, W) of the three generators for the given class labels."""
-    def ddpm(cls: torch.Tensor, seed: int) -> torch.Tensor:
-        cond = F.one_hot(cls, gens.n_classes).float()
-        side, g = p.scales[-1], torch.Generator().manual_seed(seed)
-        z = torch.randn(len(cls), p.latent_dim, side, side, generator=g)  # (B, D, K, K)
-        z = dm.ddim_sample(lambda x, t: gens.unet(x, t.float() / p.ddpm_steps, cond), z, p.ddpm_steps, p.ddim_steps)
-        return tok.decoder(tok.quantize(z * latent_std)[1]).clamp(-1, 1)  # VQ-regularised: quantise, then decode
-
-    out = {"protovar": [], "plain_var": [], "diffusion": []}
-    for i, sl in enumerate(_chunks(len(classes))):
-        seed = p.seed * 1000 + i
-        out["protovar"].append(generate(gens.var, tok, classes[sl], seed, p.temperature, protos, p.betas))
-        out["plain_var"].append(generate(gens.var, tok, classes[sl], seed + 500, p.temperature))
-        out["diffusion"].append(ddpm(classes[sl], seed))
-    return {k: torch.cat(v) for k, v in out.items()}
+                 classes: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """Candidate images (M, C, H, W) of the three generators for the given class labels, each generator in one
+    batch (random streams seeded p.seed * 1000 + chunk, plain VAR + 500), and the FLOPs each generator spent."""
+    seed = p.seed * 1000
+    made = {"protovar": lambda: generate(gens.var, tok, classes, seed, p.temperature, protos, p.betas),
+            "plain_var": lambda: generate(gens.var, tok, classes, seed + 500, p.temperature),
+            "diffusion": lambda: ddpm_sample(p, tok, gens, latent_std, classes, seed)}
+    pools, flops = {}, {}
+    for g, make in made.items():
+        pools[g], flops[g] = count_flops(make)
+    return pools, flops
 
 
 def observe(observer: ConvNet3, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -392,12 +427,17 @@ def observe(observer: ConvNet3, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         return feats, observer.head(feats).softmax(-1)
 
 
-def count_gflops(fn) -> float:
+def count_flops(fn):
+    """(fn(), the FLOPs it spent)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     with FlopCounterMode(display=False) as counter:
-        fn()
-    return counter.get_total_flops() / 1e9
+        out = fn()
+    return out, counter.get_total_flops()
+
+
+def count_gflops(fn) -> float:
+    return count_flops(fn)[1] / 1e9
 
 
 def distil(p: Params, d: dict, tok: Tokenizer, gens: Generators, protos: list[torch.Tensor], latent_std: float
@@ -407,34 +447,41 @@ def distil(p: Params, d: dict, tok: Tokenizer, gens: Generators, protos: list[to
     c_all, k_max = p.n_classes, max(p.ipcs)
     classes = torch.arange(c_all).repeat_interleave(p.pool_factor * k_max)  # (C * pool,)
     t0 = time.perf_counter()
-    pools = sample_pools(p, tok, gens, protos, latent_std, classes)
-    gen_seconds = (time.perf_counter() - t0) / 3  # the three generators take turns chunk by chunk
+    pools, pool_flops = sample_pools(p, tok, gens, protos, latent_std, classes)
+    gen_seconds = (time.perf_counter() - t0) / 3  # the mean of the three generators
     real_feats, _ = observe(gens.observer, d["x"])
     rng = np.random.default_rng(p.seed)
     sets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    select_seconds = 0.0
+    selected = ("protovar", "diffusion")  # the arms whose pools go through the selector
+    t1 = time.perf_counter()
+    observed = {arm: observe(gens.observer, pools[arm]) for arm in selected}  # (features, probabilities)
+    select_seconds = time.perf_counter() - t1
+    real = [torch.nonzero(d["y"] == c).flatten() for c in range(c_all)]
+    herded = herding_many([real_feats[r] for r in real], k_max)  # per class, in pick order: IPC k takes the first k
     for k in p.ipcs:
         picks: dict[str, list[torch.Tensor]] = {a: [] for a in ARMS}
-        for c in range(c_all):
-            pool = torch.nonzero(classes == c).flatten()[: p.pool_factor * k]
-            real = torch.nonzero(d["y"] == c).flatten()
-            for arm, src in (("protovar", "protovar"), ("diffusion", "diffusion")):
-                t1 = time.perf_counter()
-                feats, probs = observe(gens.observer, pools[src][pool])
-                chosen = select(feats, probs[:, c], real_feats[real], k, p.min_confidence)
-                select_seconds += time.perf_counter() - t1
-                picks[arm].append(pools[src][pool[chosen]])
+        pools_k = [torch.nonzero(classes == c).flatten()[: p.pool_factor * k] for c in range(c_all)]
+        t1 = time.perf_counter()
+        chosen = select_many([observed[arm][0][pool] for arm in selected for pool in pools_k],
+                             [observed[arm][1][pool, c] for arm in selected for c, pool in enumerate(pools_k)],
+                             [real_feats[r] for _ in selected for r in real], k, p.min_confidence)
+        select_seconds += time.perf_counter() - t1
+        for c, pool in enumerate(pools_k):
+            for i, arm in enumerate(selected):
+                picks[arm].append(pools[arm][pool[chosen[i * c_all + c]]])
             picks["plain_var"].append(pools["plain_var"][pool[rng.permutation(len(pool))[:k]]])
             picks["protovar_no_selector"].append(pools["protovar"][pool[rng.permutation(len(pool))[:k]]])
-            picks["random_real"].append(d["x"][real[rng.permutation(len(real))[:k]]])
-            picks["herding"].append(d["x"][real[herding(real_feats[real], k)]])
-        for arm, imgs in picks.items():
-            sets[f"{arm}_ipc{k}"] = (torch.cat(imgs), torch.arange(c_all).repeat_interleave(k))
-    one = torch.arange(c_all)
-    gen = {"protovar": count_gflops(lambda: generate(gens.var, tok, one, 0, 1.0, protos, p.betas)) / c_all,
-           "plain_var": count_gflops(lambda: generate(gens.var, tok, one, 0, 1.0)) / c_all}
-    gen["diffusion"] = count_gflops(lambda: sample_pools(p, tok, gens, protos, latent_std, one)) / c_all \
-        - gen["protovar"] - gen["plain_var"]
+            picks["random_real"].append(d["x"][real[c][rng.permutation(len(real[c]))[:k]]])
+            picks["herding"].append(d["x"][real[c][herded[c][:k]]])
+        for arm, imgs in picks.items():  # a class with fewer than k real images gives random_real fewer
+            labels = torch.cat([torch.full((len(x),), c) for c, x in enumerate(imgs)])
+            sets[f"{arm}_ipc{k}"] = (torch.cat(imgs), labels)
+    # FLOPs grow linearly with the batch: the count of one sample per class, from the pool's generation
+    flops = {g: f * c_all // len(classes) for g, f in pool_flops.items()}
+    gen = {g: flops[g] / 1e9 / c_all for g in ("protovar", "plain_var")}
+    # the DDPM's share of the three generators' total: the rounding the recorded runs used (a pool of one sample
+    # per class from each generator, counted at once, less the two VARs' shares)
+    gen["diffusion"] = sum(flops.values()) / 1e9 / c_all - gen["protovar"] - gen["plain_var"]
     obs = count_gflops(lambda: observe(gens.observer, pools["protovar"][:c_all])) / c_all
     feat_dim = real_feats.shape[1]
     per_class_real = len(d["y"]) / c_all

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from models import protovar as pv
+from models.common import distill
 
 
 def _params(**kw) -> pv.Params:
@@ -114,8 +115,52 @@ def test_selector_drops_unconfident_and_matches_the_real_distribution():
 
 def test_herding_first_pick_is_closest_to_the_mean():
     feats = torch.tensor([[0.0, 0.0], [10.0, 0.0], [4.0, 1.0], [6.0, -1.0]])
-    picks = pv.herding(feats, 2)
+    picks = distill.herding(feats, 2)
     assert int(picks[0]) == 2 and int(picks[1]) == 3  # (4,1) then (6,-1): their mean is the class mean
+
+
+def _select_one(cand, conf, real, k, min_conf):  # the greedy selector one problem at a time (reference)
+    keep = torch.nonzero(conf >= min_conf).flatten()
+    if len(keep) < k:
+        keep = conf.argsort(descending=True)[:k]
+    bandwidth = float(torch.cdist(real, real).median().clamp(min=1e-6))
+    kcc, kcr = pv.rbf(cand[keep], cand[keep], bandwidth), pv.rbf(cand[keep], real, bandwidth).mean(1)
+    chosen, cross = [], torch.zeros(len(keep))
+    for t in range(k):
+        ss = kcc[chosen][:, chosen].sum() if chosen else torch.tensor(0.0)
+        score = (ss + 2 * cross + kcc.diagonal()) / (t + 1) ** 2 - 2 * (kcr[chosen].sum() + kcr) / (t + 1)
+        if chosen:
+            score[chosen] = float("inf")
+        best = int(score.argmin())
+        chosen.append(best)
+        cross += kcc[best]
+    return keep[torch.tensor(chosen)]
+
+
+def _herding_one(feats, k):  # herding one set at a time (reference)
+    mu, total, chosen = feats.mean(0), torch.zeros(feats.shape[1]), []
+    for t in range(k):
+        dist = (mu - (total + feats) / (t + 1)).norm(dim=1)
+        if chosen:
+            dist[chosen] = float("inf")
+        best = int(dist.argmin())
+        chosen.append(best)
+        total += feats[best]
+    return torch.tensor(chosen)
+
+
+def test_batched_selector_and_herding_equal_one_problem_at_a_time():
+    g = torch.Generator().manual_seed(4)
+    sizes, k = (12, 30, 7, 19), 6  # ragged problems; the third has fewer confident candidates than k
+    cands = [torch.randn(n, 5, generator=g) for n in sizes]
+    confs = [torch.rand(n, generator=g) for n in sizes]
+    reals = [torch.randn(n + 3, 5, generator=g) for n in sizes]
+    got = pv.select_many(cands, confs, reals, k, 0.5)
+    for cand, conf, real, picks in zip(cands, confs, reals, got, strict=True):
+        assert torch.equal(picks, _select_one(cand, conf, real, k, 0.5))
+    herded = distill.herding_many(reals, 25)  # 25 > the smallest set: it then repeats index 0, as one at a time
+    for real, picks in zip(reals, herded, strict=True):
+        assert torch.equal(picks, _herding_one(real, 25)) and torch.equal(picks[:4], _herding_one(real, 4))
 
 
 def test_augment_shapes_and_zero_shift_is_identity():
@@ -123,6 +168,20 @@ def test_augment_shapes_and_zero_shift_is_identity():
     g = torch.Generator().manual_seed(0)
     assert pv.augment(x, g, flip=True).shape == x.shape
     assert torch.equal(pv.augment(x, g, flip=False, shift=0), x)
+
+
+def test_augment_crops_each_image_at_its_own_drawn_shift():
+    x = torch.randn(7, 3, 8, 8)
+    for flip in (False, True):
+        out = pv.augment(x, torch.Generator().manual_seed(3), flip=flip)
+        g = torch.Generator().manual_seed(3)  # the same draws, applied image by image
+        dx, dy = torch.randint(0, 5, (2, 7), generator=g)
+        padded = torch.nn.functional.pad(x, (2,) * 4, value=-1.0)
+        want = torch.stack([padded[i, :, dy[i] : dy[i] + 8, dx[i] : dx[i] + 8] for i in range(7)])
+        if flip:
+            mirror = torch.rand(7, generator=g) < 0.5
+            want[mirror] = want[mirror].flip(-1)
+        assert torch.equal(out, want)
 
 
 def test_cifar10_and_imagenette_loaders_on_tiny_fixtures(tmp_path):

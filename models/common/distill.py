@@ -60,10 +60,12 @@ class ConvNet3(nn.Module):
 
 def augment(x: torch.Tensor, g: torch.Generator, flip: bool, shift: int = 2) -> torch.Tensor:
     """Random shift by up to `shift` pixels (zero padding, crop) and, for natural images, horizontal flip."""
-    b, _, h, w = x.shape
+    b, c, h, w = x.shape
     padded = F.pad(x, (shift,) * 4, value=-1.0)
     dx, dy = torch.randint(0, 2 * shift + 1, (2, b), generator=g)
-    out = torch.stack([padded[i, :, dy[i] : dy[i] + h, dx[i] : dx[i] + w] for i in range(b)])
+    rows = (dy[:, None] + torch.arange(h))[:, None, :, None]  # (B, 1, H, 1): image i's crop rows
+    cols = (dx[:, None] + torch.arange(w))[:, None, None, :]  # (B, 1, 1, W)
+    out = padded[torch.arange(b)[:, None, None, None], torch.arange(c)[None, :, None, None], rows, cols]  # one gather
     if flip:
         mirror = torch.rand(b, generator=g) < 0.5
         out[mirror] = out[mirror].flip(-1)
@@ -76,15 +78,27 @@ def rbf(a: torch.Tensor, b: torch.Tensor, bandwidth: float) -> torch.Tensor:
 
 def herding(feats: torch.Tensor, k: int) -> torch.Tensor:
     """Welling's herding: greedily pick samples whose running mean tracks the class mean."""
-    mu, total, chosen = feats.mean(0), torch.zeros(feats.shape[1]), []
+    return herding_many([feats], k)[0]
+
+
+def herding_many(feats: list[torch.Tensor], k: int) -> list[torch.Tensor]:
+    """`herding` of several sets (one per class) at once: the greedy steps of all sets run together on their
+    features zero-padded to the largest set (padding is never picked), each set's arithmetic unchanged. The picks
+    for k are the first k of any larger k."""
+    n, m = len(feats), max(len(f) for f in feats)
+    x, taken = torch.zeros(n, m, feats[0].shape[1]), torch.ones(n, m, dtype=torch.bool)
+    for i, f in enumerate(feats):
+        x[i, : len(f)], taken[i, : len(f)] = f, False
+    mu = torch.stack([f.mean(0) for f in feats])[:, None]  # (n, 1, F)
+    rows, total = torch.arange(n), torch.zeros(n, 1, x.shape[2])
+    chosen = []
     for t in range(k):
-        dist = (mu - (total + feats) / (t + 1)).norm(dim=1)
-        if chosen:
-            dist[chosen] = float("inf")
-        best = int(dist.argmin())
+        dist = (mu - (total + x) / (t + 1)).norm(dim=2).masked_fill(taken, float("inf"))  # (n, m)
+        best = dist.argmin(1)  # the first minimum, as for one set
         chosen.append(best)
-        total += feats[best]
-    return torch.tensor(chosen)
+        taken[rows, best] = True
+        total += x[rows, best][:, None]
+    return list(torch.stack(chosen, 1)) if chosen else [torch.zeros(0, dtype=torch.long)] * n
 
 
 def mmd2(a: torch.Tensor, b: torch.Tensor) -> float:
