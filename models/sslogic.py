@@ -199,8 +199,8 @@ def _draw(fam: dict, rng: np.random.Generator, difficulty: int) -> list[int]:
     vmax = min(9, fam["vmax"] + (2 * difficulty if fam["knob"] == "vmax" else 0))
     n = int(rng.integers(fam["lo"], hi + 1))
     if fam["distinct"]:
-        return [int(v) for v in rng.choice(vmax + 1, min(n, vmax + 1), replace=False)]
-    return [int(v) for v in rng.integers(0, vmax + 1, n)]
+        return rng.choice(vmax + 1, min(n, vmax + 1), replace=False).tolist()
+    return rng.integers(0, vmax + 1, n).tolist()
 
 
 def generate(fam: dict, seed: int, difficulty: int) -> dict:
@@ -360,7 +360,7 @@ class BlindReviewer:
         self.member[self.prog_reducer, self.prog_chain] = True
 
     def table(self, lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-        """(values, ran), each (reducers, chains, lists): the reducer after the chain on the list, and whether `run`
+        """(values, ran), each (lists, reducers, chains): the reducer after the chain on the list, and whether `run`
         returns a value (False where it raises, and for pairs that are not programs)."""
         if any(not 0 <= d <= 9 for x in lists for d in x):
             raise ValueError("the reviewer reads lists of digits")
@@ -370,17 +370,17 @@ class BlindReviewer:
             v[: len(x), 0, j], n[0, j] = x, len(x)
         for op, made, parents in self.steps:
             v[:, made], n[made] = LIST_OPS_BATCH[op](v[:, parents], n[parents])
-        values = np.empty((len(self.reducers), *n.shape), dtype=np.int64)
+        values = np.empty((len(lists), len(self.reducers), self.n_chains), dtype=np.int64)
         ran = np.empty(values.shape, dtype=bool)
         out = reduce_batch(v, n)  # name -> (chains, lists) each
         for k, r in enumerate(self.reducers):
-            values[k], ran[k] = out[r]
-        return values, ran & self.member[..., None]
+            values[:, k], ran[:, k] = out[r][0].T, out[r][1].T
+        return values, ran & self.member
 
     def outputs(self, lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         """(values, ran), each (programs, lists): run(program, list), and False where `run` raises."""
         values, ran = self.table(lists)
-        return values[self.prog_reducer, self.prog_chain], ran[self.prog_reducer, self.prog_chain]
+        return values[:, self.prog_reducer, self.prog_chain].T, ran[:, self.prog_reducer, self.prog_chain].T
 
 
 def gate3(fam: dict, reviewer: BlindReviewer, p: Params) -> str:
@@ -393,13 +393,14 @@ def gate3(fam: dict, reviewer: BlindReviewer, p: Params) -> str:
         return "exception"
     seen = [parse(inst["prompt"]) for inst in insts]  # (example lists, their answers, query) per instance
     values, ran = reviewer.table([x for lists, _, query in seen for x in (*lists, query)])
-    digits = values % 10  # (reducers, chains, lists): the reviewer's answers
+    digits = values % 10  # (lists, reducers, chains): the reviewer's answers
     ambiguous, col = 0, 0
     for (lists, answers, _), inst in zip(seen, insts, strict=True):
-        k = len(lists)
-        fits = (ran[..., col: col + k] & (digits[..., col: col + k] == np.array(answers, dtype=np.int64))).all(-1)
-        ambiguous += bool((fits & ran[..., col + k] & (digits[..., col + k] != int(inst["answer"]))).any())
-        col += k + 1
+        fits = ran[col + len(lists)] & (digits[col + len(lists)] != int(inst["answer"]))  # answers the query otherwise
+        for j, a in enumerate(answers):  # ... and every solved example as shown
+            fits &= ran[col + j] & (digits[col + j] == a)
+        ambiguous += bool(fits.any())
+        col += len(lists) + 1
     if ambiguous > p.max_ambiguous * p.review_instances:
         return "ambiguous"
     counts = np.unique(answers20, return_counts=True)[1]
@@ -419,23 +420,28 @@ def refine(fam: dict, failure: str) -> dict:
     return fam | {"vmax": 9, "hi": fam["hi"] + 2, "knob": fam["knob"] or "len"}
 
 
-def validate_loop(fam: dict, reviewer: BlindReviewer, p: Params, gates: int = 3) -> tuple[dict, list[bool], bool]:
-    """Generate-Validate-Refine: returns (final family, [gate1, gate2, gate3] passed, accepted)."""
+def validate_loop(fam: dict, reviewer: BlindReviewer, p: Params) -> tuple[dict, list[bool], bool, dict | None]:
+    """Generate-Validate-Refine: returns (final family, [gate1, gate2, gate3] passed, accepted, the no-gate arm's
+    admission). The last is the family where Gate 1 first passed (None: never): until then every failure was Gate
+    1's and so every Refine the one it picks, which is the loop with Gate 1 alone."""
+    gate1_pass = None
     for attempt in range(p.max_refine + 1):
         fam = fam | {"refine": attempt}
         checks = [lambda f: gate1(f), lambda f: gate2(f, p.gate2_instances, p.gate2_agree),
-                  lambda f: gate3(f, reviewer, p)][:gates]
+                  lambda f: gate3(f, reviewer, p)]
         passed = []
         for check in checks:
             failure = check(fam)
             passed.append(not failure)
             if failure:
                 break
+        if gate1_pass is None and passed[0]:
+            gate1_pass = fam
         if all(passed):
-            return fam, passed + [False] * (3 - len(passed)), True
+            return fam, passed, True, gate1_pass
         if attempt < p.max_refine:
             fam = refine(fam, failure)
-    return fam, passed + [False] * (3 - len(passed)), False
+    return fam, passed + [False] * (3 - len(passed)), False, gate1_pass
 
 
 # ---- programmatic authors and the evolution loop ------------------------------------------------------------------
@@ -478,13 +484,12 @@ def evolve(p: Params, seeds: list[dict], rng: np.random.Generator) -> tuple[list
         for c in range(p.candidates):
             k = int(np.argmax(rng.beta(wins, trials - wins)))  # Thompson sampling on acceptance rate
             raw = author(OPERATORS[k], pool, rng, f"r{r}c{c}") | {"round": r}
-            fam, gates, ok = validate_loop(raw, reviewer, p)
+            fam, gates, ok, admitted = validate_loop(raw, reviewer, p)
             wins[k] += ok
             trials[k] += 1
             candidates.append(fam | {"gate1": gates[0], "gate2": gates[1], "gate3": gates[2], "accepted": ok})
             accepted += [fam] if ok else []
-            g1, _, ok1 = validate_loop(raw, reviewer, p, gates=1)
-            no_gate += [g1] if ok1 else []
+            no_gate += [admitted] if admitted is not None else []
     return candidates, no_gate
 
 

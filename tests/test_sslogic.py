@@ -145,6 +145,27 @@ def test_evolution_loop_records_gates_and_the_bandit_learns_from_acceptance():
     assert all(json.loads(cfg)["fmt"] in ("raw", "mod10") for cfg in rows["config"])
 
 
+def test_no_gate_admission_is_the_loop_with_gate1_alone():
+    """validate_loop's fourth result is what Generate-Validate-Refine with Gate 1 alone admits."""
+    p = _p(max_refine=3)
+    rng = np.random.default_rng(3)
+    seeds = ss.seed_families(6, rng)
+    reviewer = ss.BlindReviewer(ss.review_programs(1, 2000))
+    for c in range(12):
+        raw = ss.author(ss.OPERATORS[c % 3], seeds, rng, f"c{c}")
+        if c % 4 == 0:  # max of the big digits raises on some inputs until a Refine constrains them
+            raw = raw | {"prog": ("r", "max", ("big",)), "constrain": False}
+        alone = raw
+        for attempt in range(p.max_refine + 1):
+            alone = alone | {"refine": attempt}
+            if ss.gate1(alone) == "":
+                break
+            alone = ss.refine(alone, "exception")
+        else:
+            alone = None
+        assert ss.validate_loop(raw, reviewer, p)[3] == alone
+
+
 def test_grpo_loss_gradient_prefers_rewarded_answers():
     logits = torch.zeros(1, 2, 4, requires_grad=True)  # (B, A, V): uniform policies for two arms
     samples = torch.tensor([[[0, 1, 2, 3], [0, 0, 1, 1]]])  # (B, A, G)
