@@ -292,7 +292,7 @@ class PlanContext:
                 step.mark()
                 loss.backward()
             weights = [*fakes.values(), *(p for p in model.parameters() if isinstance(p, FakeTensor))]
-            grads = {t.grad.untyped_storage()._cdata for t in weights if t.grad is not None}
+            grads = step.allocations(t.grad for t in weights if t.grad is not None)
         transient, saved = step.peak(exclude=grads)
         scale = 0.5 if self.params.bf16 else 1.0
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -358,15 +358,17 @@ class _StepCounter(torch.utils._python_dispatch.TorchDispatchMode):
     """FLOPs and memory of one step. FLOPs: `FlopCounterMode`'s own per-op formulas (`flop_registry`: matmuls,
     convolutions, attention), without its module hooks, which break a paper's `torch.autograd.grad`. Memory: bytes
     of the storages an op creates, freed when the storage dies (weak references); `peak(exclude)` is the largest
-    total alive at once, leaving out the given storages (the gradients)."""
+    total alive at once, leaving out the given allocations (the gradients)."""
 
     def __init__(self):
         super().__init__()
         self.flops = 0
-        self.events: list[tuple[int, int]] = []  # (storage id, +bytes / -bytes)
-        self._seen: dict[int, weakref.ref] = {}
+        self.events: list[tuple[int, int]] = []  # (allocation number, +bytes / -bytes)
+        # live storages: address -> (allocation number, weak reference); a freed storage's address is reused by a
+        # later one (a gradient), so events are keyed by allocation, not by address
+        self._seen: dict[int, tuple[int, weakref.ref]] = {}
         self._backward_at = None  # index into events where backward starts
-        self.known: set[int] = set()  # storages made before the step: never counted
+        self.known: set[int] = set()  # addresses of storages made before the step (alive through it): not counted
 
     def mark(self) -> None:
         self._backward_at = len(self.events)
@@ -384,24 +386,31 @@ class _StepCounter(torch.utils._python_dispatch.TorchDispatchMode):
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
-                key = st._cdata
-                if key not in self._seen and key not in self.known:
-                    size = st.nbytes()
-                    self.events.append((key, size))
-                    self._seen[key] = weakref.ref(st, lambda _, k=key, s=size: self._free(k, s))
+                address = st._cdata
+                if address not in self._seen and address not in self.known:
+                    size, number = st.nbytes(), len(self.events)
+                    self.events.append((number, size))
+                    self._seen[address] = (number, weakref.ref(
+                        st, lambda _, a=address, n=number, s=size: self._free(a, n, s)))
         return out
 
-    def _free(self, key: int, size: int) -> None:
-        self.events.append((key, -size))
-        self._seen.pop(key, None)
+    def _free(self, address: int, number: int, size: int) -> None:
+        self.events.append((number, -size))
+        self._seen.pop(address, None)
+
+    def allocations(self, tensors) -> set[int]:
+        """Allocation numbers of the (live) storages of `tensors`."""
+        return {self._seen[t.untyped_storage()._cdata][0] for t in tensors
+                if t.untyped_storage()._cdata in self._seen}
 
     def peak(self, exclude: set[int]) -> tuple[int, int]:
-        """(largest total alive at once, total alive when backward started), leaving out `exclude`."""
+        """(largest total alive at once, total alive when backward started), leaving out the allocations
+        `exclude`."""
         now = best = saved = 0
-        for i, (key, delta) in enumerate(self.events):
+        for i, (number, delta) in enumerate(self.events):
             if i == self._backward_at:
                 saved = now
-            if key not in exclude:
+            if number not in exclude:
                 now += delta
                 best = max(best, now)
         return best, (now if self._backward_at is None or self._backward_at >= len(self.events) else saved)

@@ -297,4 +297,6 @@ def test_declared_replicas_are_traced_once_and_scaled(tmp_path, monkeypatch):
     (a,), (b,) = scaled.phases, full.phases
     assert "n_copies = 5 replicas traced as 1" in scaled.traced_as and not full.traced_as
     assert (a.params, a.flops_step) == (b.params, b.flops_step) == (5 * (16 * 32 + 32), a.flops_step)
-    assert a.activation_bytes == pytest.approx(b.activation_bytes, rel=0.2)
+    assert b.saved_bytes >= 5 * 8 * 32 * 4  # every copy's output is kept for its backward (a freed storage's address
+    # reused by a gradient once hid activations from the peak)
+    assert a.activation_bytes == pytest.approx(b.activation_bytes, rel=0.05)
