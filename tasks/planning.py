@@ -8,7 +8,11 @@ formulas and the bytes alive at once, records it with the phase's step count and
 paper then goes on to its next phase. A Python read of a fake value (`float(loss)`, `.item()`) gets a
 placeholder and `.numpy()` zeros of the right shape, so the control flow between phases runs; the first thing
 that cannot run on fakes, or the time budget, ends the plan there: the phases traced so far stand and
-`Plan.stopped` says why.
+`Plan.stopped` says why. Data-side tensors hold their real values (`_real_tables`, `_Placeholders(real_data=True)`:
+tensors made from the tables, integer index bookkeeping, draws from a paper's own seeded generator, and what is
+computed from those alone), so a data loop runs at NumPy speed and takes its real branches, while everything a model
+computes stays fake; a trace that fails on real values is run once more with every value fake. Fields a paper
+declares as replicas (`replica_counts`) are traced as one copy and scaled.
 
 Data: planning never needs the profile's real data. The paper's `prepare` writes a planning copy with the
 profile's parameters except the data *amount and source* (counts such as `n_*`, dataset paths, encoders: the keys
@@ -808,8 +812,8 @@ def _trace(paper, params: PaperParams, data_dir: Path, out_dir: Path, budget_s: 
 def _real_tables():
     """Tensors made from NumPy arrays or Python lists (the planning tables, constants) are real, up to
     `_MAX_READ` elements, and so is what ops compute from real tensors only (`_Placeholders(real_data=True)`);
-    everything a model computes stays fake. The planning data is small (the test
-    profile's amount), so this costs little, but a batch indexed past its rows fails: only a retry uses it."""
+    everything a model computes stays fake. The planning data is small (the test profile's amount), so this costs
+    little; a batch indexed past its rows fails, and the plan then traces again with every value fake."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     def real(make):
