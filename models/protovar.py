@@ -562,13 +562,13 @@ def train(ctx) -> None:
         torch.save({"tok": tok.state_dict(), "gens": gens.state_dict(), "ens": ens.state_dict(), "costs": costs},
                    ctx.out_dir / "model.pt")
         (ctx.out_dir / "costs.json").write_text(json.dumps(costs, indent=1))
-        rows = {c: [] for c in ("class", "scale", "proto_id", "position", "vector")}
-        for s, proto in enumerate(protos):  # (C, P, k*k, D)
-            for c, j, i in np.ndindex(*proto.shape[:3]):
-                for col, v in zip(rows, (c, p.scales[s], j, i, proto[c, j, i].numpy()), strict=True):
-                    rows[col].append(v)
-        write_table(ctx.out_dir / "prototypes.parquet", {k: np.stack(v) if k == "vector" else v
-                                                         for k, v in rows.items()})
+        cols = {c: [] for c in ("class", "scale", "proto_id", "position", "vector")}
+        for s, proto in enumerate(protos):  # (C, P, k*k, D): a row per (class, prototype, position), C order
+            c, j, i = np.indices(proto.shape[:3]).reshape(3, -1)
+            for col, v in zip(cols, (c, np.full(len(c), p.scales[s]), j, i, proto.reshape(len(c), -1).numpy()),
+                              strict=True):
+                cols[col].append(v)
+        write_table(ctx.out_dir / "prototypes.parquet", {k: np.concatenate(v) for k, v in cols.items()})
         for g, (x, y) in pools.items():
             write_table(ctx.out_dir / f"pool_{g}.parquet", {
                 "image_id": np.arange(len(y)), "label": y.numpy(),
