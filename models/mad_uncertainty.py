@@ -83,7 +83,9 @@ class Params(PaperParams):
     beta: float = Field(0.5, ge=0, description="Epistemic utilisation weight ((EU_1 - EU_R) x majority correct).")
     pretrain_test: bool = Field(False, description="Pretraining views also cover the test split (test answers "
                                 "memorised, so RL can only change deference); default: the `rl` split only.")
-    n_seeds: int = Field(1, ge=1, description="Independent seeds (agents, pretraining, MARL); metrics are means.")
+    n_seeds: int = Field(1, ge=1, description="Independent seeds (agents, pretraining, MARL), trained side by side "
+                         "in lock-step on batches of the same shapes; metrics are means (replicas: `paperline plan` "
+                         "traces one and scales).", json_schema_extra={"replicas": True})
 
 
 # ---- data --------------------------------------------------------------------------------------------------
