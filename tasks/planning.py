@@ -387,11 +387,12 @@ class _StepCounter(torch.utils._python_dispatch.TorchDispatchMode):
             self.flops += count(*args, **kwargs, out_val=out)
         elif func._overloadpacket in _CPU_ATTENTION:
             self.flops += _CPU_ATTENTION[func._overloadpacket](*args)
-        for t in torch.utils._pytree.tree_leaves(out):
+        inputs = {t.untyped_storage()._cdata for t in _tensor_args(args, kwargs)}  # a view or an in-place
+        for t in torch.utils._pytree.tree_leaves(out):  # result shares its input's storage: nothing new
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
                 address = st._cdata
-                if address not in self._seen and address not in self.known:
+                if address not in self._seen and address not in self.known and address not in inputs:
                     size, number = st.nbytes(), len(self.events)
                     self.events.append((number, size))
                     self._seen[address] = (number, weakref.ref(
@@ -547,6 +548,24 @@ def _fake_reads():
 
 
 _MAX_READ = 50_000_000
+
+
+@contextlib.contextmanager
+def _shared_mode_on_deepcopy():
+    """`copy.deepcopy` of a fake (a target network, an EMA copy, `nn.TransformerEncoder`'s layer clones) keeps the
+    one fake mode: by default it deep-copies the mode too, and every later op then converts the copy's weights into
+    the live mode again (~3 ms an op), counting the converted copies as activations."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    saved = FakeTensorMode.__dict__.get("__deepcopy__")
+    FakeTensorMode.__deepcopy__ = lambda self, memo: self
+    try:
+        yield
+    finally:
+        if saved is None:
+            del FakeTensorMode.__deepcopy__
+        else:
+            FakeTensorMode.__deepcopy__ = saved
 
 
 @contextlib.contextmanager
@@ -791,7 +810,7 @@ def _trace(paper, params: PaperParams, data_dir: Path, out_dir: Path, budget_s: 
     threads = torch.get_num_threads()
     stopped = ""
     try:
-        with _alarm(ctx.deadline + 1), _quiet(), _no_saves(), _fake_reads(), \
+        with _alarm(ctx.deadline + 1), _quiet(), _no_saves(), _fake_reads(), _shared_mode_on_deepcopy(), \
                 FakeTensorMode(allow_non_fake_inputs=True), _Placeholders(real_data), \
                 (_real_tables() if real_data else contextlib.nullcontext()):
             paper.train(ctx)

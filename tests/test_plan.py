@@ -300,3 +300,32 @@ def test_declared_replicas_are_traced_once_and_scaled(tmp_path, monkeypatch):
     assert b.saved_bytes >= 5 * 8 * 32 * 4  # every copy's output is kept for its backward (a freed storage's address
     # reused by a gradient once hid activations from the peak)
     assert a.activation_bytes == pytest.approx(b.activation_bytes, rel=0.05)
+
+
+def test_a_deep_copy_of_a_fake_model_stays_in_the_planning_mode(tmp_path):
+    """A target network made by `copy.deepcopy` computes in the same fake mode as its original: its forward adds
+    the activations of one forward, not converted copies of its weights."""
+    import copy
+    import types
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    seen = {}
+
+    def train(ctx):
+        net = torch.nn.Linear(64, 64)
+        target = copy.deepcopy(net)
+        seen["same_mode"] = target.weight.fake_mode is net.weight.fake_mode
+        seen["fake"] = isinstance(target.weight, FakeTensor)
+
+        def step_fn(engine, b, step):
+            with torch.no_grad():
+                goal = target(b["x"])
+            return (engine(b["x"]) - goal).square().sum(), {}
+
+        ctx.fit("fit", ctx.engine(net, 1e-3), step_fn, lambda step: {"x": torch.randn(4, 64)}, 1)
+
+    phases, stopped = planning._trace(types.SimpleNamespace(train=train), _Params(), tmp_path, tmp_path, 20.0,
+                                      real_data=False)
+    assert stopped == "" and seen == {"same_mode": True, "fake": True}
+    assert phases[0].activation_bytes < 64 * 64 * 4  # a few (4, 64) activations, no copy of the 64 x 64 weight
