@@ -250,6 +250,7 @@ class PlanContext:
     label: str = "plan"
     phases: list[Phase] = field(default_factory=list)
     _traced: dict[tuple, Phase] = field(default_factory=dict, repr=False)
+    stepping: bool = False  # inside a traced step (every op counts: `_reuse_inference_calls` stands aside)
 
     def engine(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0) -> _Engine:
         return _Engine(model, lr, weight_decay)
@@ -272,8 +273,10 @@ class PlanContext:
                 stack.enter_context(mode)
                 stack.enter_context(_Placeholders())
                 stack.enter_context(_fake_reads())
-            # a fake batch: its indices may point past the planning data's rows, its shape is the profile's
-            local = {k: v[self.rank :: self.world_size].contiguous() for k, v in batch_fn(0).items()}
+            # a fake batch: its indices may point past the planning data's rows, its shape is the profile's. Step 1,
+            # not 0: a paper's step 0 often does what later steps do not (evaluation when step % k == 0, snapshots)
+            probe = 1 if num_steps > 1 else 0
+            local = {k: v[self.rank :: self.world_size].contiguous() for k, v in batch_fn(probe).items()}
             empty = [k for k, v in local.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == 0]
             if empty:  # the batch's size came from placeholder values: a step on it would plan nothing
                 raise EmptyBatch(f"phase {name}: batch {', '.join(empty)} has no rows on placeholder values")
@@ -291,10 +294,14 @@ class PlanContext:
             step.known = {t.untyped_storage()._cdata for t in [*fakes.values(), *model.parameters(),
                                                                *model.buffers(), *local.values()]
                           if isinstance(t, torch.Tensor)}
-            with _reparametrize_module(model, fakes, strict=False), step:
-                loss, _ = step_fn(engine, local, 0)
-                step.mark()
-                loss.backward()
+            self.stepping = True
+            try:
+                with _reparametrize_module(model, fakes, strict=False), step:
+                    loss, _ = step_fn(engine, local, probe)
+                    step.mark()
+                    loss.backward()
+            finally:
+                self.stepping = False
             weights = [*fakes.values(), *(p for p in model.parameters() if isinstance(p, FakeTensor))]
             grads = step.allocations(t.grad for t in weights if t.grad is not None)
         transient, saved = step.peak(exclude=grads)
@@ -551,10 +558,55 @@ _MAX_READ = 50_000_000
 
 
 @contextlib.contextmanager
+def _reuse_inference_calls(ctx: PlanContext):
+    """Outside a traced step, a module called again without gradients on inputs of the same shapes (sampling loops,
+    ODE solvers, evaluation between phases) returns fresh fakes shaped like its first such call's result, instead of
+    running every op again on fakes: only shapes flow between phases, and no cost outside a step is counted. Inside
+    a step (`ctx.stepping`) every call runs, since its FLOPs and memory are what the plan measures."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    call = torch.nn.Module.__call__
+    results: dict[tuple, Any] = {}
+
+    def shape_of(x):
+        if isinstance(x, torch.Tensor):
+            return ("tensor", tuple(x.shape), x.dtype, x.stride(), isinstance(x, FakeTensor))
+        if isinstance(x, (list, tuple)):
+            return (type(x).__name__, *map(shape_of, x))
+        if isinstance(x, dict):
+            return ("dict", *((k, shape_of(v)) for k, v in x.items()))
+        return x if isinstance(x, (int, float, str, bool, type(None))) else ("object", id(x))
+
+    def fresh(x):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype) if isinstance(x, torch.Tensor) else x
+
+    def reused(module, *args, **kwargs):
+        if ctx.stepping or torch.is_grad_enabled():
+            return call(module, *args, **kwargs)
+        if not any(isinstance(t, FakeTensor) for t in _tensor_args(args, kwargs)) and not isinstance(
+                next(module.parameters(), None), FakeTensor):  # real weights on real data: its values matter
+            return call(module, *args, **kwargs)
+        key = (id(module), module.training, shape_of(args), shape_of(kwargs))
+        if key in results:
+            return torch.utils._pytree.tree_map(fresh, results[key][1])
+        out = call(module, *args, **kwargs)
+        if all(isinstance(t, FakeTensor) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)):
+            results[key] = (module, out)  # the module is kept, so its id is not reused by another while planning
+        return out
+
+    torch.nn.Module.__call__ = reused
+    try:
+        yield
+    finally:
+        torch.nn.Module.__call__ = call
+
+
+@contextlib.contextmanager
 def _shared_mode_on_deepcopy():
     """`copy.deepcopy` of a fake (a target network, an EMA copy, `nn.TransformerEncoder`'s layer clones) keeps the
     one fake mode: by default it deep-copies the mode too, and every later op then converts the copy's weights into
-    the live mode again (~3 ms an op), counting the converted copies as activations."""
+    the live mode again (~3 ms an op), counting the converted copies as activations. The copied mode's table of
+    constants also released one weak reference twice, which corrupted the heap (skeleton_llm, motionmar died)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     saved = FakeTensorMode.__dict__.get("__deepcopy__")
@@ -811,6 +863,7 @@ def _trace(paper, params: PaperParams, data_dir: Path, out_dir: Path, budget_s: 
     stopped = ""
     try:
         with _alarm(ctx.deadline + 1), _quiet(), _no_saves(), _fake_reads(), _shared_mode_on_deepcopy(), \
+                _reuse_inference_calls(ctx), \
                 FakeTensorMode(allow_non_fake_inputs=True), _Placeholders(real_data), \
                 (_real_tables() if real_data else contextlib.nullcontext()):
             paper.train(ctx)

@@ -329,3 +329,35 @@ def test_a_deep_copy_of_a_fake_model_stays_in_the_planning_mode(tmp_path):
                                       real_data=False)
     assert stopped == "" and seen == {"same_mode": True, "fake": True}
     assert phases[0].activation_bytes < 64 * 64 * 4  # a few (4, 64) activations, no copy of the 64 x 64 weight
+
+
+def test_inference_calls_between_phases_run_once_per_shape_and_every_call_inside_a_step_counts(tmp_path):
+    """A sampling loop outside a step (no gradients, same shapes each call) runs its module once; the plan's
+    numbers are those of tracing every call, and a no-grad pass inside a step still counts its FLOPs."""
+    import types
+
+    calls = []
+
+    class Net(torch.nn.Linear):
+        def forward(self, x):
+            calls.append(tuple(x.shape))
+            return super().forward(x)
+
+    def train(ctx):
+        teacher, student = Net(32, 32), Net(32, 32)
+        x = torch.randn(16, 32)
+        with torch.no_grad():
+            for _ in range(50):  # an ODE solver, a sampler: only the result's shape reaches the next phase
+                x = x + 0.1 * teacher(x)
+
+        def step_fn(engine, b, step):
+            with torch.no_grad():
+                goal = teacher(b["x"])
+            return (engine(b["x"]) - goal).square().sum(), {}
+
+        ctx.fit("distil", ctx.engine(student, 1e-3), step_fn, lambda step: {"x": x}, 10)
+
+    phases, stopped = planning._trace(types.SimpleNamespace(train=train), _Params(), tmp_path, tmp_path, 20.0,
+                                      real_data=False)
+    assert stopped == "" and calls.count((16, 32)) == 3  # once in the loop; teacher and student in the step
+    assert phases[0].flops_step == pytest.approx(2 * 16 * 32 * 32 * (1 + 2))  # teacher forward, student fwd + bwd
