@@ -689,7 +689,7 @@ _DATA_KEY = re.compile(
     r"n_sequences|n_nodes|n_mc|n_curve|train_M|n_targets|examples|eval_pairs|transfer_pairs|n_train_graphs|"
     r"n_test_graphs|n_val_graphs|nodes_train|nodes_test|review_instances|gate2_instances|n_questions|"
     r"n_fit|n_eval_families|dataset|\w+_dir|\w+_path|data_root|source|\w*encoder|embedder|body_model|karate|n_f|n_p|"
-    r"episodes)")
+    r"episodes|\w+_episodes)")
 _SOURCE_KEY = re.compile(r"dataset|\w+_dir|\w+_path|data_root|source|body_model")
 
 

@@ -109,8 +109,13 @@ def test_every_full_profile_is_planned_and_fits(every_plan):
         assert all(math.isfinite(v) for v in (plan["gpu_hours"], plan["peak_rank_bytes"], plan["data_bytes"]))
         if registry.get(pid).learns and not (plan["phases"] and plan["phases"][0]["flops_step"] > 0):
             untraced[pid] = plan["stopped"]
-    # not every paper's trace reaches its first phase yet (reports/plan.md says where each stopped): keep it so
-    assert len(untraced) <= 15, untraced
+    assert not untraced, untraced  # every paper's trace reaches its first phase
+    # and all but two trace every phase: ldka (19 incremental phases, each 16 DeepLabV3-101s side by side) and tbik
+    # (rollouts decoded token by token, then Triton kernels, which do not run on fakes) spend the CPU budget first;
+    # a slower machine may push one or two more past it (the budget is CPU seconds)
+    incomplete = {pid: plan.get("stopped") or plan.get("error") for pid, plan in every_plan.items()
+                  if not plan.get("complete")}
+    assert len(set(incomplete) - {"ldka", "tbik"}) <= 2, incomplete
 
 
 def test_the_report_has_one_row_per_paper(every_plan, tmp_path):
