@@ -74,7 +74,6 @@ HOST_RAM = 1024 * GIB  # per node
 GPUS_PER_NODE = 8
 HEADROOM = 0.9  # a rank must fit in this share of the GPU (CUDA context, allocator fragmentation, NCCL buffers)
 RETRY_WALL_S = 150  # wall seconds a forked trace may take (its CPU budget is BUDGET_S; a hung child spends none)
-REAL_DATA_FIRST = True  # see `plan`
 BUDGET_S = 20.0  # CPU seconds per paper (a busy machine plans as far as an idle one); planning never trains
 
 
@@ -289,11 +288,6 @@ class PlanContext:
                     if not isinstance(t, FakeTensor)}  # weights made before the fake mode: fake copies for the step
             fakes = {n: mode.from_tensor(t, static_shapes=True).requires_grad_(t.requires_grad)
                      for n, t in real.items()}
-            # storages that exist before the step (weights, buffers, the batch) are not activations, views of them
-            # (a weight's transpose in every linear layer) neither
-            step.known = {t.untyped_storage()._cdata for t in [*fakes.values(), *model.parameters(),
-                                                               *model.buffers(), *local.values()]
-                          if isinstance(t, torch.Tensor)}
             self.stepping = True
             try:
                 with _reparametrize_module(model, fakes, strict=False), step:
@@ -379,7 +373,6 @@ class _StepCounter(torch.utils._python_dispatch.TorchDispatchMode):
         # later one (a gradient), so events are keyed by allocation, not by address
         self._seen: dict[int, tuple[int, weakref.ref]] = {}
         self._backward_at = None  # index into events where backward starts
-        self.known: set[int] = set()  # addresses of storages made before the step (alive through it): not counted
 
     def mark(self) -> None:
         self._backward_at = len(self.events)
@@ -394,12 +387,14 @@ class _StepCounter(torch.utils._python_dispatch.TorchDispatchMode):
             self.flops += count(*args, **kwargs, out_val=out)
         elif func._overloadpacket in _CPU_ATTENTION:
             self.flops += _CPU_ATTENTION[func._overloadpacket](*args)
-        inputs = {t.untyped_storage()._cdata for t in _tensor_args(args, kwargs)}  # a view or an in-place
-        for t in torch.utils._pytree.tree_leaves(out):  # result shares its input's storage: nothing new
+        # a view or an in-place result shares its input's storage: nothing new (a weight's transpose in every
+        # linear layer is not an activation)
+        inputs = {t.untyped_storage()._cdata for t in _tensor_args(args, kwargs)}
+        for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
                 address = st._cdata
-                if address not in self._seen and address not in self.known and address not in inputs:
+                if address not in self._seen and address not in inputs:
                     size, number = st.nbytes(), len(self.events)
                     self.events.append((number, size))
                     self._seen[address] = (number, weakref.ref(
@@ -821,9 +816,9 @@ def plan(paper_id: str, raw: Mapping[str, Any], test_raw: Mapping[str, Any], *, 
     # data-side tensors (tables, replay buffers, index bookkeeping, a paper's seeded draws) hold their real values,
     # so a paper's data loops run at NumPy speed and its data-dependent control flow is the real one; a trace that
     # fails on them (a batch indexed past the planning tables' rows) is run once more with every value fake
-    phases, result.stopped = trace(REAL_DATA_FIRST)
+    phases, result.stopped = trace(real_data=True)
     if result.stopped and not result.stopped.startswith("time budget"):
-        again, stopped = trace(not REAL_DATA_FIRST)
+        again, stopped = trace(real_data=False)
         if (not stopped, len(again)) > (False, len(phases)):
             phases, result.stopped = again, stopped
     scale = math.prod(replicas.values())
