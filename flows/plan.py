@@ -69,20 +69,21 @@ def plan_all(profile: str = "full", gpu: str | None = None, mfu: float | None = 
              limit_s: float = LIMIT_S) -> list[dict[str, Any]]:
     """Every paper's plan as dicts (`Plan.to_dict`), in id order; a paper that failed to plan has `error`.
     Each paper plans in its own forked process (`workers` at a time), ended after `limit_s` seconds: a paper
-    whose planning hangs in native code becomes a row saying so instead of stalling the table."""
+    whose planning hangs in native code becomes a row saying so instead of stalling the table. The papers that
+    took longest last time (`reports/plan.json`) start first, so no long one is left alone at the end."""
     ids = ids or registry.paper_ids()
     import torch  # noqa: F401 - imported once here, inherited by every forked planner
 
     import tasks.planning  # noqa: F401
-    for pid in ids:
-        registry.get(pid)
+    last = _last_seconds()
     ctx = multiprocessing.get_context("fork")
     results: dict[str, dict[str, Any]] = {}
     running: dict[str, tuple[Any, Any, float]] = {}
-    todo = list(ids)
+    todo = sorted(ids, key=lambda pid: -last.get(pid, 0.0))
     while todo or running:
         while todo and len(running) < workers:
             pid = todo.pop(0)
+            registry.get(pid)  # its module imported here, inherited: the parent imports while children plan
             receive, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_plan_child, args=(send, (pid, profile, gpu, mfu)), daemon=True)
             proc.start()
@@ -105,6 +106,15 @@ def plan_all(profile: str = "full", gpu: str | None = None, mfu: float | None = 
             receive.close()
             del running[pid]
     return [results[pid] for pid in ids]
+
+
+def _last_seconds(path: Path | None = None) -> dict[str, float]:
+    """Each paper's planning seconds in the last `--all` run (`write_report`'s JSON); {} when there is none."""
+    path = path or settings.root() / "reports" / "plan.json"
+    try:
+        return {p["paper"]: float(p.get("seconds", 0.0)) for p in json.loads(path.read_text())}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
 
 
 def _plan_child(send, job: tuple) -> None:
@@ -157,10 +167,11 @@ def phase_table(p: dict[str, Any]) -> str:
     lines = [f"plan {p['paper']} ({p['profile']}): {p['ranks']} x {p['gpu']}, ZeRO {p['zero_stage']}, "
              f"{'bf16' if p['bf16'] else 'fp32'}, MFU {p['mfu']:.2f}",
              f"{'phase':22s} {'params':>12s} {'steps':>8s} {'weights':>8s} {'grads':>8s} {'optim':>8s} "
-             f"{'activ':>8s} {'rank GiB':>9s} {'TFLOP/step':>11s} {'PFLOP total':>12s}"]
+             f"{'frozen':>8s} {'activ':>8s} {'rank GiB':>9s} {'TFLOP/step':>11s} {'PFLOP total':>12s}"]
     for ph in p["phases"]:
         lines.append(f"{ph['name'][:22]:22s} {ph['params']:12,d} {ph['steps']:8d} {ph['weights_bytes'] / GIB:8.2f} "
                      f"{ph['grads_bytes'] / GIB:8.2f} {ph['optimizer_bytes'] / GIB:8.2f} "
+                     f"{ph['frozen_bytes'] / GIB:8.2f} "
                      f"{ph['activation_bytes'] / GIB:8.2f} {ph['rank_bytes'] / GIB:9.2f} "
                      f"{ph['flops_step'] / 1e12:11.4f} {ph['flops_total'] * p['ranks'] / 1e15:12.3f}")
     lines.append(f"peak per rank {_gib(p['peak_rank_bytes'])} GiB; {p['flops_total'] / 1e15:.2f} PFLOP; "
@@ -187,6 +198,7 @@ def write_report(plans: list[dict[str, Any]], path: Path | None = None) -> Path:
             f"rank), GPU-hours at MFU {mfu:.2f}, host RAM {planning.HOST_RAM // planning.GIB} GiB per node of "
             f"{planning.GPUS_PER_NODE} GPUs. `paperline plan <id>` shows a paper's phases.\n\n")
     path.write_text(head + table(plans) + "\n")
+    path.with_suffix(".json").write_text(to_json(plans) + "\n")  # for tools, and the next run's order
     return path
 
 

@@ -73,7 +73,7 @@ class Params(PaperParams):
     external_path: str = Field("", description="jsonl: external family instances {family_id, prompt, answer}.")
     n_seed: int = Field(24, ge=2, description="Seed families.")
     rounds: int = Field(1, ge=1, description="Evolution rounds.")
-    candidates: int = Field(48, ge=1, description="Author proposals per round.")
+    candidates: int = Field(48, ge=1, description="Author proposals per round.", json_schema_extra={"data": True})
     max_refine: int = Field(3, ge=0, description="Refinements before a failing candidate is discarded.")
     gate2_instances: int = Field(20, ge=1, description="Gate 2: instances the three solvers must agree on.")
     gate2_agree: float = Field(0.95, gt=0, le=1, description="Gate 2: minimum agreement rate.")

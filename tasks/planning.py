@@ -97,10 +97,11 @@ class Phase:
     flops_step: float  # per rank, forward + backward (FlopCounterMode; elementwise ops are not counted)
     activation_bytes: int  # peak of one step beyond weights and gradients, at the run's precision
     saved_bytes: int = 0  # of those, alive when backward starts (what a forward keeps for its backward)
+    frozen_bytes: int = 0  # weights the step uses but does not train (`frozen_weight_bytes`)
     weights_bytes: int = 0
     grads_bytes: int = 0
     optimizer_bytes: int = 0
-    rank_bytes: int = 0  # weights + grads + optimizer + buffers + activations
+    rank_bytes: int = 0  # weights + grads + optimizer + buffers + frozen weights + activations
 
     @property
     def flops_total(self) -> float:
@@ -146,7 +147,8 @@ class Plan:
         limit = GPUS[self.gpu].memory * HEADROOM
         out = [f"phase {ph.name}: {gib(ph.rank_bytes)} per rank > {gib(limit)} usable on {self.gpu} "
                f"(weights {gib(ph.weights_bytes)}, grads {gib(ph.grads_bytes)}, optimizer {gib(ph.optimizer_bytes)}, "
-               f"activations {gib(ph.activation_bytes)})" for ph in self.phases if ph.rank_bytes > limit]
+               f"frozen weights {gib(ph.frozen_bytes)}, activations {gib(ph.activation_bytes)})"
+               for ph in self.phases if ph.rank_bytes > limit]
         if self.data_bytes > HOST_RAM * HEADROOM:
             out.append(f"data: {gib(self.data_bytes)} of host memory a node > {gib(HOST_RAM * HEADROOM)} usable")
         return out
@@ -307,7 +309,7 @@ class PlanContext:
             name=name, steps=int(num_steps), params=sum(p.numel() for p in trainable), largest_layer=largest,
             buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
             batch={k: list(v.shape) for k, v in local.items() if isinstance(v, torch.Tensor)},
-            flops_step=float(step.flops),
+            flops_step=float(step.flops), frozen_bytes=frozen_weight_bytes(model, step_fn, self.params),
             activation_bytes=int(transient * scale), saved_bytes=int(saved * scale)))
         self._traced[key] = self.phases[-1]
         engine.step()
@@ -327,6 +329,37 @@ class PlanContext:
             raise PlanStop("time budget spent")
 
 
+def frozen_weight_bytes(model: torch.nn.Module, step_fn: Callable, params: PaperParams) -> int:
+    """Bytes a rank holds of weights the step uses without training them: the engine's frozen parameters (cast to
+    bf16 with the rest of the engine under mixed precision, partitioned under ZeRO-3), and the parameters and
+    buffers of the modules the step function closes over outside the engine (a teacher, the previous step's
+    models, a reference policy: at their own dtype, on every rank), each storage once."""
+    inside = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    total = frozen * (2 if params.bf16 else 4) // (params.ranks if params.zero_stage == 3 else 1)
+    seen = set(inside)
+    for module in _closed_over_modules(step_fn):
+        for t in [*module.parameters(), *module.buffers()]:
+            address = t.untyped_storage()._cdata
+            if address not in seen:
+                seen.add(address)
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _closed_over_modules(fn: Callable) -> list[torch.nn.Module]:
+    """Modules in a function's closure cells, directly or as values of a dict, list or tuple there."""
+    out = []
+    for cell in fn.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell (a name assigned after the function was made)
+            continue
+        values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+        out.extend(v for v in values if isinstance(v, torch.nn.Module))
+    return out
+
+
 def _cpu_attention_flops():
     """FLOPs of SDPA's fused CPU kernels, which `flop_registry` leaves out (it knows the CUDA ones): the plan traces
     on CPU fakes, so without these a paper's attention would cost nothing. Same formulas as the CUDA kernels'."""
@@ -342,6 +375,18 @@ def _cpu_attention_flops():
 
 
 _CPU_ATTENTION = _cpu_attention_flops()
+
+
+def _model_compute() -> frozenset:
+    """Ops the FLOP counter counts (matmuls, convolutions, attention): model compute, which stays fake even on real
+    inputs (weights a paper draws from its own seeded generator are real, and a real forward at the profile's size
+    would cost what the plan exists to avoid: fedgr's evaluation between rounds took ~7 CPU s of real convolutions)."""
+    from torch.utils.flop_counter import flop_registry
+
+    return frozenset(flop_registry) | frozenset(_CPU_ATTENTION)
+
+
+_MODEL_COMPUTE = _model_compute()
 
 
 def _step_signature(model: torch.nn.Module, step_fn: Callable, batch: Mapping[str, Any]) -> tuple:
@@ -475,7 +520,7 @@ class _Placeholders(torch.utils._python_dispatch.TorchDispatchMode):
         if self.real_data:  # an op on real tensors only (the tables, constants) runs for real: data-side values
             inputs = _tensor_args(args, kwargs)
             if inputs and not any(isinstance(t, FakeTensor) for t in inputs) \
-                    and sum(t.numel() for t in inputs) <= _MAX_READ:
+                    and sum(t.numel() for t in inputs) <= _MAX_READ and func._overloadpacket not in _MODEL_COMPUTE:
                 with unset_fake_temporarily():
                     return func(*args, **kwargs)
             if not inputs:  # an integer factory (arange, randperm: index bookkeeping) or a draw from a paper's own
@@ -688,11 +733,13 @@ _DATA_KEY = re.compile(
 _SOURCE_KEY = re.compile(r"dataset|\w+_dir|\w+_path|data_root|source|body_model")
 
 
-def data_overrides(profile: Mapping[str, Any], test: Mapping[str, Any]) -> dict[str, Any]:
-    """The profile's data-amount/source keys replaced by the test profile's (absent there: the default)."""
+def data_overrides(profile: Mapping[str, Any], test: Mapping[str, Any],
+                   declared: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The profile's data-amount/source keys (`_DATA_KEY`, or fields the paper declares `{"data": True}`) replaced
+    by the test profile's (absent there: the default)."""
     out = dict(profile)
     for key in set(profile) | set(test):
-        if _DATA_KEY.fullmatch(key):
+        if _DATA_KEY.fullmatch(key) or key in declared:
             if key in test:
                 out[key] = test[key]
             else:
@@ -700,7 +747,8 @@ def data_overrides(profile: Mapping[str, Any], test: Mapping[str, Any]) -> dict[
     return out
 
 
-def _counts(profile: Mapping[str, Any], planned: Mapping[str, Any]) -> list[tuple[int, int]]:
+def _counts(profile: Mapping[str, Any], planned: Mapping[str, Any],
+            declared: frozenset[str] = frozenset()) -> list[tuple[int, int]]:
     """(planning value, profile value) of every overridden data count that grows (an int, or a list's largest)."""
     def count(v):
         if isinstance(v, list) and v and all(isinstance(x, int) for x in v):
@@ -710,7 +758,7 @@ def _counts(profile: Mapping[str, Any], planned: Mapping[str, Any]) -> list[tupl
     out = []
     for key, value in profile.items():
         big, small = count(value), count(planned.get(key))
-        if _DATA_KEY.fullmatch(key) and big is not None and small is not None and 0 < small < big:
+        if (_DATA_KEY.fullmatch(key) or key in declared) and big is not None and small is not None and 0 < small < big:
             out.append((small, big))
     return out
 
@@ -753,7 +801,8 @@ def planning_data(paper, raw: Mapping[str, Any], test_raw: Mapping[str, Any], ca
     from models.registry import validate
     from tasks.fixtures import real_format
 
-    small = data_overrides(raw, test_raw)
+    declared = frozenset(declared_fields(paper.Params, "data"))
+    small = data_overrides(raw, test_raw, declared)
     fixture = real_format(paper.id, raw, cache / f"fixture-{paper.id}")
     small.update(fixture or {})
     try:
@@ -765,12 +814,12 @@ def planning_data(paper, raw: Mapping[str, Any], test_raw: Mapping[str, Any], ca
             note = f"a fixture in the real data's format ({', '.join(sorted(fixture))}), test profile's data amount"
         elif swapped:  # a real dataset's rows are its own: the stand-in's may be smaller (sei: 8x8, not 224x224)
             note = f"the test profile's stand-in for the real data ({', '.join(swapped)}): activations a lower bound"
-        counts = _counts(raw, small)
+        counts = _counts(raw, small, declared)
     except Exception as e:  # noqa: BLE001 - a prepare that needs the real files: the test profile's data
         params = validate(paper, test_raw, where=f"papers.{paper.id}.test")
         folder = _prepare_cached(paper, params, cache)
         note = f"test profile's data ({type(e).__name__} with the profile's row shapes)"
-        counts = _counts(raw, test_raw)
+        counts = _counts(raw, test_raw, declared)
     return folder, _table_bytes(folder, counts), note
 
 
@@ -823,29 +872,32 @@ def plan(paper_id: str, raw: Mapping[str, Any], test_raw: Mapping[str, Any], *, 
             phases, result.stopped = again, stopped
     scale = math.prod(replicas.values())
     for ph in phases:
-        ph.params, ph.buffers = ph.params * scale, ph.buffers * scale
+        ph.params, ph.buffers, ph.frozen_bytes = ph.params * scale, ph.buffers * scale, ph.frozen_bytes * scale
         # lock-step copies: every copy's saved activations are alive when backward starts, one copy's transients
         ph.flops_step, ph.activation_bytes = ph.flops_step * scale, ph.activation_bytes + (scale - 1) * ph.saved_bytes
         ph.saved_bytes *= scale
         ph.weights_bytes, ph.grads_bytes, ph.optimizer_bytes = model_states(
             ph.params, ph.largest_layer, params.ranks, params.zero_stage, params.bf16)
-        ph.rank_bytes = (ph.weights_bytes + ph.grads_bytes + ph.optimizer_bytes + ph.buffers + ph.activation_bytes)
+        ph.rank_bytes = (ph.weights_bytes + ph.grads_bytes + ph.optimizer_bytes + ph.buffers + ph.frozen_bytes
+                         + ph.activation_bytes)
     result.phases = phases
     result.seconds = time.monotonic() - t0
     return result
+
+
+def declared_fields(params_type: type[PaperParams], kind: str) -> list[str]:
+    """Fields a paper marks `Field(..., json_schema_extra={kind: True})`: "replicas", or "data" (an amount of
+    data that the planning copy takes from the test profile, like the counts `_DATA_KEY` matches by name)."""
+    return [name for name, spec in params_type.model_fields.items()
+            if isinstance(spec.json_schema_extra, dict) and spec.json_schema_extra.get(kind)]
 
 
 def replica_counts(paper, params: PaperParams) -> dict[str, int]:
     """Counts (> 1) of the fields a paper declares as replicas (`Field(..., json_schema_extra={"replicas": True})`):
     that many independent copies of every network, trained side by side in the same phases on the same batches,
     so each phase's parameters, buffers, FLOPs and saved activations are that many times one copy's."""
-    out = {}
-    for name, spec in type(params).model_fields.items():
-        extra = spec.json_schema_extra if isinstance(spec.json_schema_extra, dict) else {}
-        value = getattr(params, name)
-        if extra.get("replicas") and isinstance(value, int) and value > 1:
-            out[name] = value
-    return out
+    counts = {name: getattr(params, name) for name in declared_fields(type(params), "replicas")}
+    return {name: n for name, n in counts.items() if isinstance(n, int) and n > 1}
 
 
 def _trace(paper, params: PaperParams, data_dir: Path, out_dir: Path, budget_s: float,
@@ -869,6 +921,8 @@ def _trace(paper, params: PaperParams, data_dir: Path, out_dir: Path, budget_s: 
             traceback.print_exc()
     except Exception as e:  # noqa: BLE001 - the first thing fakes cannot do ends the plan; traced phases stand
         stopped = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        if time.process_time() > ctx.deadline:  # the budget's PlanStop, re-raised as another error by a paper's
+            stopped = "time budget spent"  # callee (`load_state_dict` reports what failed inside a copy)
         if os.environ.get("PAPERLINE_PLAN_DEBUG"):
             traceback.print_exc()
     finally:

@@ -366,3 +366,24 @@ def test_inference_calls_between_phases_run_once_per_shape_and_every_call_inside
                                       real_data=False)
     assert stopped == "" and calls.count((16, 32)) == 3  # once in the loop; teacher and student in the step
     assert phases[0].flops_step == pytest.approx(2 * 16 * 32 * 32 * (1 + 2))  # teacher forward, student fwd + bwd
+
+
+def test_frozen_weights_a_step_uses_are_counted_once(tmp_path):
+    """A teacher the step closes over (in a dict, as an arm's previous models) and the engine's own frozen layer
+    are weights a rank holds: counted at their size, the teacher once although two arms share it."""
+    ctx = _ctx(tmp_path, ranks=2, bf16=True)
+    frozen, trained = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+    frozen.requires_grad_(False)
+    model = torch.nn.Sequential(frozen, trained)
+    teacher = torch.nn.Linear(64, 64)
+    old = {"arm_a": teacher, "arm_b": teacher}
+
+    def step_fn(engine, b, step):
+        with torch.no_grad():
+            goal = old["arm_a"](b["x"]) + old["arm_b"](b["x"])
+        return (engine(b["x"]) - goal).square().sum(), {}
+
+    ctx.fit("distil", ctx.engine(model, 1e-3), step_fn, lambda step: {"x": torch.randn(8, 64)}, 10)
+    (phase,) = ctx.phases
+    assert phase.params == 64 * 64 + 64  # only the trained layer has gradients and optimizer state
+    assert phase.frozen_bytes == (64 * 64 + 64) * 2 + (64 * 64 + 64) * 4  # engine's frozen layer in bf16; teacher fp32
