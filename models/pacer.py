@@ -223,9 +223,10 @@ def load_graphs(data_dir: Path) -> dict[str, dict]:
         d = int(max(tr["dst"][tr["graph"] == name].max(initial=0), tr["src"][tr["graph"] == name].max(initial=0)) + 1)
         d = max(d, sum(1 for k in t if k.startswith("x_") and not np.isnan(t[k][t["graph"] == name]).all()))
         g: dict = {"d": d, "train": [], "held": []}
+        mine = t["graph"] == name
+        columns, regime = np.stack([t[f"x_{j}"][mine] for j in range(d)], 1), t["regime"][mine]  # graph rows, once
         for r, targets, held in zip(reg["regime"][rows], reg["targets"][rows], reg["held_out"][rows], strict=True):
-            sel = (t["graph"] == name) & (t["regime"] == r)
-            x = np.stack([t[f"x_{j}"][sel] for j in range(d)], 1)  # (n_r, d)
+            x = columns[regime == r]  # (n_r, d)
             keep = np.ones(d, bool)
             keep[[int(v) for v in str(targets).split(",") if v != ""]] = False
             g["held" if held else "train"].append((x, keep))
@@ -235,8 +236,11 @@ def load_graphs(data_dir: Path) -> dict[str, dict]:
         g["truth"] = adj
         for split in ("train", "held"):
             xs = g.pop(split)
-            g[split] = {"M": np.stack([x.T @ x / len(x) for x, _ in xs]), "n": np.array([len(x) for x, _ in xs], float),
-                        "keep": np.stack([k for _, k in xs])}
+            moments = np.empty((len(xs), d, d))  # filled in place: a fresh (d, d) temporary per regime costs the
+            for i, (x, _) in enumerate(xs):  # kernel zeroing its pages, most of a d = 2000 load
+                np.matmul(x.T, x, out=moments[i])
+                moments[i] /= len(x)
+            g[split] = {"M": moments, "n": np.array([len(x) for x, _ in xs], float), "keep": np.stack([k for _, k in xs])}
             if split == "train":
                 g["obs"] = xs[0][0]
         out[name] = g

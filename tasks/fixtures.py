@@ -66,6 +66,15 @@ def tsp(folder: Path) -> Path:
     return folder / "t15.tsp"
 
 
+def minelib(folder: Path) -> Path:
+    """A 4-block MineLib UPIT instance: .upit (header, OBJECTIVE_FUNCTION) and .prec (block, k, predecessors)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tiny.upit").write_text("% a MineLib-format fixture\nNAME: tiny\nTYPE: UPIT\nNBLOCKS: 4\n"
+                                      "OBJECTIVE_FUNCTION:\n0 -1.0\n1 -2.0\n2 5.0\n3 1.0\nEOF\n")
+    (folder / "tiny.prec").write_text("0 0\n1 0\n2 2 0 1\n3 1 1\n")
+    return folder / "tiny.upit"
+
+
 def d4rl(folder: Path, envs: tuple[str, ...] = ("Hopper-v5",), rows: int = 200) -> dict[str, str]:
     """One D4RL-layout HDF5 file per env id (observations, actions, rewards, terminals, timeouts)."""
     import h5py
@@ -140,7 +149,8 @@ REAL_FORMAT: dict[str, tuple[tuple[str, ...], str, Writer]] = {
     "motionmar": (("dataset",), "amass_dir", lambda d, raw: str(amass(d / "amass"))),
 }
 # paper -> further path keys its fixture replaces (a loader that opens more than one input), each with its writer
-ALSO_WRITES: dict[str, dict[str, Writer]] = {"motionmar": {"body_model": lambda d, raw: str(smpl_body(d))}}
+ALSO_WRITES: dict[str, dict[str, Writer]] = {"motionmar": {"body_model": lambda d, raw: str(smpl_body(d))},
+                                             "qubo_relax": {"minelib_file": lambda d, raw: str(minelib(d / "mine"))}}
 
 
 def real_format(paper_id: str, raw: Mapping[str, Any], folder: Path) -> dict[str, Any] | None:

@@ -77,6 +77,10 @@ RETRY_WALL_S = 150  # wall seconds a forked trace may take (its CPU budget is BU
 BUDGET_S = 20.0  # CPU seconds per paper (a busy machine plans as far as an idle one); planning never trains
 
 
+class PrepareFailed(RuntimeError):
+    """A planning copy's `prepare` failed before (its error's type is the message): the cache remembers it."""
+
+
 class EmptyBatch(RuntimeError):
     """A phase's batch has no rows: its size was computed from placeholders (`int(t.max())` of a fake table), so
     the plan retries with the tables' real values."""
@@ -777,11 +781,18 @@ def _prepare_cached(paper, params: PaperParams, cache: Path) -> Path:
     key = hashlib.sha256(json.dumps(params.model_dump(mode="json"), sort_keys=True).encode()
                          + Path(paper.train.__code__.co_filename).read_bytes()).hexdigest()[:16]
     out = cache / f"{paper.id}-{key}"
+    if (out / ".failed").exists():  # failed before with these params and this code: not worth the time again
+        raise PrepareFailed((out / ".failed").read_text())
     if not (out / ".done").exists():
         out.mkdir(parents=True, exist_ok=True)
-        paper.prepare(params, out)
+        try:
+            paper.prepare(params, out)
+        except Exception as e:
+            (out / ".failed").write_text(type(e).__name__)
+            raise
         (out / ".done").write_text("")
     return out
+
 
 
 def _table_bytes(folder: Path, counts: list[tuple[int, int]]) -> int:
@@ -818,7 +829,8 @@ def planning_data(paper, raw: Mapping[str, Any], test_raw: Mapping[str, Any], ca
     except Exception as e:  # noqa: BLE001 - a prepare that needs the real files: the test profile's data
         params = validate(paper, test_raw, where=f"papers.{paper.id}.test")
         folder = _prepare_cached(paper, params, cache)
-        note = f"test profile's data ({type(e).__name__} with the profile's row shapes)"
+        reason = str(e) if isinstance(e, PrepareFailed) else type(e).__name__
+        note = f"test profile's data ({reason} with the profile's row shapes)"
         counts = _counts(raw, test_raw, declared)
     return folder, _table_bytes(folder, counts), note
 

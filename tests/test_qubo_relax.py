@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from models import qubo_relax as m
+from tasks import fixtures
 
 
 def _params(**kw):
@@ -124,12 +125,7 @@ def test_tsplib_loader_reads_a_five_city_fixture(tmp_path):
     assert len(inst) == 1 and len(inst[0]["naive"][1]) == 25 and np.isclose(inst[0]["optimum"], m.held_karp(d))
 
 
-def _minelib(folder):
-    """A 4-block MineLib UPIT instance: .upit (header, OBJECTIVE_FUNCTION) and .prec (block, k, predecessors)."""
-    (folder / "tiny.upit").write_text("% a MineLib-format fixture\nNAME: tiny\nTYPE: UPIT\nNBLOCKS: 4\n"
-                                      "OBJECTIVE_FUNCTION:\n0 -1.0\n1 -2.0\n2 5.0\n3 1.0\nEOF\n")
-    (folder / "tiny.prec").write_text("0 0\n1 0\n2 2 0 1\n3 1 1\n")
-    return folder / "tiny.upit"
+_minelib = fixtures.minelib  # a 4-block UPIT instance and its .prec
 
 
 def test_minelib_loader_and_exact_optimum(tmp_path):
