@@ -119,8 +119,10 @@ def _last_seconds(path: Path | None = None) -> dict[str, float]:
 
 def _plan_child(send, job: tuple) -> None:
     import torch
+    from threadpoolctl import threadpool_limits  # scikit-learn's dependency
 
     torch.set_num_threads(1)  # one core per planner: `workers` of them share the machine
+    threadpool_limits(1)  # BLAS too: its idle threads spin (pacer's NumPy moments spent ~12% of CPU there)
     os.dup2(2, 1)  # whatever the paper or native code prints goes to stderr: the parent's stdout is the table/JSON
     try:
         send.send(_plan_one(job))

@@ -387,3 +387,77 @@ def test_frozen_weights_a_step_uses_are_counted_once(tmp_path):
     (phase,) = ctx.phases
     assert phase.params == 64 * 64 + 64  # only the trained layer has gradients and optimizer state
     assert phase.frozen_bytes == (64 * 64 + 64) * 2 + (64 * 64 + 64) * 4  # engine's frozen layer in bf16; teacher fp32
+
+
+def test_matmuls_stay_fake_on_real_inputs_while_data_bookkeeping_is_real(tmp_path):
+    """Weights drawn from a paper's own seeded generator are real; a forward with them between phases is model
+    compute and stays fake (no real convolution at the profile's size), while an index computed from the data
+    keeps its value."""
+    import types
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    seen = {}
+
+    def train(ctx):
+        g = torch.Generator().manual_seed(0)
+        w, x = torch.randn(64, 64, generator=g), torch.randn(8, 64, generator=g)
+        seen["weights_real"] = not isinstance(w, FakeTensor)
+        seen["product_fake"] = isinstance(x @ w, FakeTensor)
+        seen["rows"] = int(torch.arange(8)[x[:, 0] > 10].numel())  # real values: no row is above 10
+
+    planning._trace(types.SimpleNamespace(train=train), _Params(), tmp_path, tmp_path, 20.0, real_data=True)
+    assert seen == {"weights_real": True, "product_fake": True, "rows": 0}
+
+
+def test_a_budget_stop_re_raised_by_a_callee_is_the_budget(tmp_path):
+    """`load_state_dict` reports an exception inside a copy as its own RuntimeError: past the deadline, that is
+    the time budget (no all-fake retry), not a failure of the trace."""
+    import types
+
+    def train(ctx):
+        try:
+            ctx.progress("phase 1")
+        except planning.PlanStop as e:
+            raise RuntimeError(f"Error(s) in loading state_dict: {e}") from e
+
+    _, stopped = planning._trace(types.SimpleNamespace(train=train), _Params(), tmp_path, tmp_path, -1.0,
+                                 real_data=False)
+    assert stopped == "time budget spent"
+
+
+def test_declared_data_amounts_come_from_the_test_profile_and_a_failed_prepare_is_remembered(tmp_path, monkeypatch):
+    import types
+
+    from pydantic import Field
+
+    class Params(PaperParams):
+        proposals: int = Field(4, json_schema_extra={"data": True})
+        width: int = 8
+        corpus: str = ""  # a name `_DATA_KEY` does not match: the planning copy keeps the profile's
+
+    prepared = []
+
+    def prepare(p, out):
+        prepared.append((p.proposals, p.width, p.corpus))
+        if p.corpus:
+            raise FileNotFoundError(p.corpus)
+
+    paper = types.SimpleNamespace(id="toy", Params=Params, train=lambda ctx: None, prepare=prepare)
+    monkeypatch.setattr(registry, "get", lambda pid: paper)
+    full, test = {"proposals": 300, "width": 64}, {"proposals": 4, "width": 8}
+    planning.planning_data(paper, full, test, tmp_path)
+    assert prepared == [(4, 64, "")]  # the amount from the test profile, the row shape from the profile
+    real = {**full, "corpus": "/data/corpus.jsonl"}
+    for _ in range(2):
+        _, _, note = planning.planning_data(paper, real, test, tmp_path)
+        assert "FileNotFoundError" in note and "test profile's data" in note
+    assert prepared[1:] == [(4, 64, "/data/corpus.jsonl"), (4, 8, "")]  # the failing prepare ran once
+
+
+def test_plan_all_starts_the_papers_that_took_longest_last_time_first(tmp_path, monkeypatch):
+    import json
+
+    (tmp_path / "plan.json").write_text(json.dumps([{"paper": "a", "seconds": 1.0}, {"paper": "b", "seconds": 9.0}]))
+    assert flow_plan._last_seconds(tmp_path / "plan.json") == {"a": 1.0, "b": 9.0}
+    assert flow_plan._last_seconds(tmp_path / "missing.json") == {}
