@@ -155,8 +155,8 @@ def table(plans: list[dict[str, Any]]) -> str:
         traced = ", ".join(ph["name"] for ph in p["phases"]) or "none"
         if p["stopped"]:
             traced += f" (then: {p['stopped'][:60]})"
-        if p.get("traced_as"):
-            traced += f" ({p['traced_as'].split(':')[0]})"
+        if p.get("replicas"):
+            traced += " (" + ", ".join(f"{k} = {n} replicas traced as 1" for k, n in p["replicas"].items()) + ")"
         rows.append(f"| {p['paper']} | {p['ranks']} | {_hours(p['gpu_hours'])} | {_gib(p['peak_rank_bytes'])} | "
                     f"{_gib(p['data_bytes'])} | {p['zero_stage']} | {traced.replace('|', '/')} | {verdict} |")
     return "\n".join(rows)

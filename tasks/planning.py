@@ -125,8 +125,17 @@ class Plan:
     data_bytes: int = 0  # host memory of a node for the data (tables at the profile's size x ranks on the node)
     data_note: str = ""
     stopped: str = ""  # why the trace ended before train() returned ("" when it returned)
-    traced_as: str = ""  # how the trace was reduced and scaled back (replica counts), "" when traced as it is
+    replicas: dict[str, int] = field(default_factory=dict)  # declared replica counts, traced as one copy each
     seconds: float = 0.0
+
+    @property
+    def traced_as(self) -> str:
+        """How the trace was reduced and scaled back; "" when traced as it is."""
+        if not self.replicas:
+            return ""
+        return (", ".join(f"{k} = {n} replicas traced as 1" for k, n in self.replicas.items())
+                + ": every phase's parameters, buffers, FLOPs and saved activations x "
+                + str(math.prod(self.replicas.values())))
 
     @property
     def peak_rank_bytes(self) -> int:
@@ -172,7 +181,8 @@ class Plan:
         for ph, raw in zip(self.phases, d["phases"], strict=True):
             raw["flops_total"] = ph.flops_total
         d.update(peak_rank_bytes=self.peak_rank_bytes, flops_total=self.flops_total, gpu_hours=self.gpu_hours,
-                 nodes=self.nodes, fits=self.fits, complete=self.complete, problems=self.problems())
+                 nodes=self.nodes, fits=self.fits, complete=self.complete, problems=self.problems(),
+                 traced_as=self.traced_as)
         return d
 
     def metrics(self) -> dict[str, float]:
@@ -868,8 +878,7 @@ def plan(paper_id: str, raw: Mapping[str, Any], test_raw: Mapping[str, Any], *, 
     out_dir.mkdir(parents=True, exist_ok=True)
     budget_s = BUDGET_S if budget_s is None else budget_s
     if replicas:
-        result.traced_as = ", ".join(f"{k} = {n} replicas traced as 1" for k, n in replicas.items()) + \
-            f": every phase's parameters, buffers, FLOPs and saved activations x {math.prod(replicas.values())}"
+        result.replicas = dict(replicas)
     def trace(real_data: bool) -> tuple[list[Phase], str]:  # real values may abort native code: in a child
         run = _forked if real_data else (lambda fn, *a, **k: fn(*a, **k))
         return run(_trace, paper, params, data_dir, out_dir, budget_s, real_data=real_data)
