@@ -178,6 +178,8 @@ def phase_table(p: dict[str, Any]) -> str:
                      f"{ph['flops_step'] / 1e12:11.4f} {ph['flops_total'] * p['ranks'] / 1e15:12.3f}")
     lines.append(f"peak per rank {_gib(p['peak_rank_bytes'])} GiB; {p['flops_total'] / 1e15:.2f} PFLOP; "
                  f"{_hours(p['gpu_hours'])} GPU-hours ({p['ranks']} GPUs: {p['gpu_hours'] / p['ranks']:.2f} h wall)")
+    lines += [f"phase {ph['name']}: {ph['kernel_launches']} Triton launches a step, skipped on fakes (their FLOPs are "
+              "not counted)" for ph in p["phases"] if ph.get("kernel_launches")]
     lines.append(f"host memory for the data: {_gib(p['data_bytes'])} GiB ({p['data_note']})")
     if p.get("traced_as"):
         lines.append(f"traced as: {p['traced_as']}")

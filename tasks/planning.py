@@ -102,6 +102,7 @@ class Phase:
     activation_bytes: int  # peak of one step beyond weights and gradients, at the run's precision
     saved_bytes: int = 0  # of those, alive when backward starts (what a forward keeps for its backward)
     frozen_bytes: int = 0  # weights the step uses but does not train (`frozen_weight_bytes`)
+    kernel_launches: int = 0  # Triton launches in the step: skipped on fakes, their FLOPs not in flops_step
     weights_bytes: int = 0
     grads_bytes: int = 0
     optimizer_bytes: int = 0
@@ -266,6 +267,7 @@ class PlanContext:
     phases: list[Phase] = field(default_factory=list)
     _traced: dict[tuple, Phase] = field(default_factory=dict, repr=False)
     stepping: bool = False  # inside a traced step (every op counts: `_reuse_inference_calls` stands aside)
+    kernel_launches: int = 0  # Triton launches skipped on fakes inside traced steps so far
 
     def engine(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0) -> _Engine:
         return _Engine(model, lr, weight_decay)
@@ -304,7 +306,7 @@ class PlanContext:
                     if not isinstance(t, FakeTensor)}  # weights made before the fake mode: fake copies for the step
             fakes = {n: mode.from_tensor(t, static_shapes=True).requires_grad_(t.requires_grad)
                      for n, t in real.items()}
-            self.stepping = True
+            self.stepping, launches = True, self.kernel_launches
             try:
                 with _reparametrize_module(model, fakes, strict=False), step:
                     loss, _ = step_fn(engine, local, probe)
@@ -324,6 +326,7 @@ class PlanContext:
             buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
             batch={k: list(v.shape) for k, v in local.items() if isinstance(v, torch.Tensor)},
             flops_step=float(step.flops), frozen_bytes=frozen_weight_bytes(model, step_fn, self.params),
+            kernel_launches=self.kernel_launches - launches,
             activation_bytes=int(transient * scale), saved_bytes=int(saved * scale)))
         self._traced[key] = self.phases[-1]
         engine.step()
@@ -656,6 +659,38 @@ def _reuse_inference_calls(ctx: PlanContext):
 
 
 @contextlib.contextmanager
+def _no_kernel_launches_on_fakes(ctx: PlanContext):
+    """A Triton launch with a fake argument does nothing (the interpreter cannot read a fake's values, and on a GPU
+    a fake has no memory): the paper's wrapper has already made its output tensors, the fakes the plan needs. The
+    kernel's FLOPs are not counted; `Phase.kernel_launches` says how many launches a step skipped."""
+    try:
+        from triton.runtime import autotuner, interpreter, jit
+    except ImportError:
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    classes = (jit.JITFunction, interpreter.InterpretedFunction, autotuner.Autotuner, autotuner.Heuristics)
+    saved = {cls: cls.__dict__["run"] for cls in classes if "run" in cls.__dict__}
+
+    def skipping(run):
+        def launch(self, *args, **kwargs):
+            if any(isinstance(a, FakeTensor) for a in (*args, *kwargs.values())):
+                ctx.kernel_launches += ctx.stepping
+                return None
+            return run(self, *args, **kwargs)
+        return launch
+
+    for cls, run in saved.items():
+        cls.run = skipping(run)
+    try:
+        yield
+    finally:
+        for cls, run in saved.items():
+            cls.run = run
+
+
+@contextlib.contextmanager
 def _shared_mode_on_deepcopy():
     """`copy.deepcopy` of a fake (a target network, an EMA copy, `nn.TransformerEncoder`'s layer clones) keeps the
     one fake mode: by default it deep-copies the mode too, and every later op then converts the copy's weights into
@@ -932,7 +967,7 @@ def _trace(paper, params: PaperParams, data_dir: Path, out_dir: Path, budget_s: 
     stopped = ""
     try:
         with _alarm(ctx.deadline + 1), _quiet(), _no_saves(), _fake_reads(), _shared_mode_on_deepcopy(), \
-                _reuse_inference_calls(ctx), \
+                _reuse_inference_calls(ctx), _no_kernel_launches_on_fakes(ctx), \
                 FakeTensorMode(allow_non_fake_inputs=True), _Placeholders(real_data), \
                 (_real_tables() if real_data else contextlib.nullcontext()):
             paper.train(ctx)

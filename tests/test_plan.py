@@ -461,3 +461,24 @@ def test_plan_all_starts_the_papers_that_took_longest_last_time_first(tmp_path, 
     (tmp_path / "plan.json").write_text(json.dumps([{"paper": "a", "seconds": 1.0}, {"paper": "b", "seconds": 9.0}]))
     assert flow_plan._last_seconds(tmp_path / "plan.json") == {"a": 1.0, "b": 9.0}
     assert flow_plan._last_seconds(tmp_path / "missing.json") == {}
+
+
+def test_a_triton_launch_on_fakes_is_skipped_and_counted(tmp_path):
+    """The interpreter cannot read a fake's values: a launch with a fake argument does nothing (the wrapper made
+    its output already) and the step says how many it skipped; after the plan, kernels run as before."""
+    import types
+
+    from kernels import tbik as K
+
+    def train(ctx):
+        def step_fn(engine, b, step):
+            h = engine(b["x"])
+            return h.sum() + K.tbik_sum(h.detach(), 1).sum(), {}
+
+        ctx.fit("fit", ctx.engine(torch.nn.Linear(32, 32), 1e-3), step_fn, lambda step: {"x": torch.randn(4, 32)}, 3)
+
+    phases, stopped = planning._trace(types.SimpleNamespace(train=train), _Params(), tmp_path, tmp_path, 60.0,
+                                      real_data=True)
+    assert stopped == "" and phases[0].kernel_launches == 1
+    x = torch.arange(64.0).reshape(2, 32)
+    assert torch.equal(K.tbik_sum(x, 1), x.sum(1))  # small integers: every summation order is exact
