@@ -240,7 +240,8 @@ def load_graphs(data_dir: Path) -> dict[str, dict]:
             for i, (x, _) in enumerate(xs):  # kernel zeroing its pages, most of a d = 2000 load
                 np.matmul(x.T, x, out=moments[i])
                 moments[i] /= len(x)
-            g[split] = {"M": moments, "n": np.array([len(x) for x, _ in xs], float), "keep": np.stack([k for _, k in xs])}
+            g[split] = {"M": moments, "n": np.array([len(x) for x, _ in xs], float),
+                        "keep": np.stack([k for _, k in xs])}
             if split == "train":
                 g["obs"] = xs[0][0]
         out[name] = g

@@ -1,5 +1,5 @@
-"""Small files in the real formats the full profiles read (CIFAR-10 pickles, HotpotQA JSON, AnnData .h5ad, TSPLIB,
-D4RL HDF5, AMASS .npz with an SMPL body model), written from a seeded generator.
+"""Small files in the real formats the full profiles read (CIFAR-10 pickles, HotpotQA JSON, GSM8K jsonl, AnnData
+.h5ad, TSPLIB, MineLib, D4RL HDF5, AMASS .npz with an SMPL body model), written from a seeded generator.
 
 Two users: the planner (`tasks/planning.py`) prepares a full profile on one of these when the real data is absent,
 so the trace sees the real row shapes (32x32x3 CIFAR images, not the test profile's 8x8 stand-in); and the loader
@@ -41,6 +41,21 @@ def hotpot(folder: Path) -> Path:
                          [f"writer {i % 3}", ["A writer."]], ["other", ["Unrelated."]]]} for i in range(12)]
     (folder / "hotpot.json").write_text(json.dumps(rows))
     return folder / "hotpot.json"
+
+
+def gsm8k(folder: Path, rows: int = 64) -> Path:
+    """GSM8K's jsonl: {"question": a word problem, "answer": "reasoning ... #### n"}, questions of GSM8K's lengths
+    (about 100 to 400 characters)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    lines = []
+    for _ in range(rows):
+        a, b = (int(v) for v in rng.integers(2, 90, 2))
+        story = " ".join(f"Then she buys {int(v)} more." for v in rng.integers(1, 9, int(rng.integers(1, 9))))
+        question = f"Natalia sold {a} clips in April and {b} in May. {story} How many clips did she sell in all?"
+        lines.append(json.dumps({"question": question, "answer": f"{a} + {b} = {a + b}\n#### {a + b:,}"}))
+    (folder / "test.jsonl").write_text("\n".join(lines) + "\n")
+    return folder / "test.jsonl"
 
 
 def norman(folder: Path) -> Path:
@@ -147,6 +162,7 @@ REAL_FORMAT: dict[str, tuple[tuple[str, ...], str, Writer]] = {
     "protovar": (("dataset",), "dataset_dir", lambda d, raw: str(cifar(d / "cifar"))),
     "fedgr": (("dataset",), "dataset_dir", lambda d, raw: str(cifar(d / "cifar"))),
     "motionmar": (("dataset",), "amass_dir", lambda d, raw: str(amass(d / "amass"))),
+    "mad_uncertainty": (("dataset",), "jsonl_path", lambda d, raw: str(gsm8k(d / "gsm8k"))),
 }
 # paper -> further path keys its fixture replaces (a loader that opens more than one input), each with its writer
 ALSO_WRITES: dict[str, dict[str, Writer]] = {"motionmar": {"body_model": lambda d, raw: str(smpl_body(d))},
