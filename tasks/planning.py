@@ -865,7 +865,7 @@ def planning_data(paper, raw: Mapping[str, Any], test_raw: Mapping[str, Any], ca
         params = validate(paper, small, where=f"plan data of {paper.id}")
         folder = _prepare_cached(paper, params, cache)
         note = "profile's row shapes, test profile's data amount"
-        swapped = sorted(k for k in raw if _SOURCE_KEY.fullmatch(k) and small.get(k) != raw[k])
+        swapped = sorted(k for k in raw if _SOURCE_KEY.fullmatch(k) and getattr(params, k, None) != raw[k])
         if fixture:  # the real data's format and row shapes, random values (tasks/fixtures.py)
             note = f"a fixture in the real data's format ({', '.join(sorted(fixture))}), test profile's data amount"
         elif swapped:  # a real dataset's rows are its own: the stand-in's may be smaller (sei: 8x8, not 224x224)
