@@ -195,6 +195,8 @@ def plan(
     gpu: Annotated[str, typer.Option(help="h100-80gb | h200-141gb | a100-80gb")] = "h100-80gb",
     mfu: Annotated[float, typer.Option(help="Model-FLOP utilisation the GPU-hours assume.")] = 0.35,
     as_json: Annotated[bool, typer.Option("--json", help="JSON for tools instead of tables.")] = False,
+    budget: Annotated[float | None, typer.Option(help="CPU seconds the trace of one paper may take (default 20; "
+                                                      "a plan that stops on it says so).")] = None,
     gpus: Annotated[bool, typer.Option("--gpus", help="Print only the GPUs the job needs (full-gpu deployment).")]
     = False,
 ) -> None:
@@ -205,8 +207,8 @@ def plan(
     try:
         overrides = registry.parse_overrides(set_)
         if all_papers:
-            if overrides:
-                raise registry.ConfigError("--set applies to one paper at a time")
+            if overrides or budget is not None:
+                raise registry.ConfigError("--set and --budget apply to one paper at a time")
             plans = planning.plan_all(profile, gpu, mfu)
             out = planning.write_report(plans) if profile == "full" else None
             typer.echo(planning.to_json(plans) if as_json else planning.table(plans))
@@ -217,7 +219,8 @@ def plan(
                 _fail("name paper ids or pass --all")
             if overrides and len(papers) > 1:
                 raise registry.ConfigError("--set applies to one paper at a time")
-            plans = [planning.plan_paper(pid, profile, overrides, gpu=gpu, mfu=mfu).to_dict() for pid in papers]
+            plans = [planning.plan_paper(pid, profile, overrides, gpu=gpu, mfu=mfu, budget_s=budget).to_dict()
+                     for pid in papers]
             if gpus:
                 typer.echo(" ".join(str(p["ranks"]) for p in plans))
             else:

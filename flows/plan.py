@@ -28,8 +28,10 @@ def _cache() -> Path:
 
 
 def plan_paper(paper_id: str, profile: str = "full", overrides: Mapping[str, Any] | None = None, *,
-               gpu: str | None = None, mfu: float | None = None, params_file: Path | None = None):
-    """Plan one paper's profile (overrides as `--set` gives them). Raises ConfigError on bad input."""
+               gpu: str | None = None, mfu: float | None = None, params_file: Path | None = None,
+               budget_s: float | None = None):
+    """Plan one paper's profile (overrides as `--set` gives them; `budget_s` CPU seconds for the trace, default
+    `planning.BUDGET_S`). Raises ConfigError on bad input."""
     from tasks import planning
 
     params_file = params_file or settings.params_file()
@@ -39,7 +41,7 @@ def plan_paper(paper_id: str, profile: str = "full", overrides: Mapping[str, Any
     if gpu is not None and gpu not in planning.GPUS:
         raise registry.ConfigError(f"unknown --gpu {gpu!r}; known: {', '.join(planning.GPUS)}")
     return planning.plan(paper_id, raw, test, profile=profile, gpu=gpu or planning.DEFAULT_GPU,
-                         mfu=mfu or planning.DEFAULT_MFU, cache=_cache())
+                         mfu=mfu or planning.DEFAULT_MFU, cache=_cache(), budget_s=budget_s)
 
 
 def plan_metrics(paper_id: str, params) -> dict[str, float]:
@@ -184,7 +186,9 @@ def phase_table(p: dict[str, Any]) -> str:
     if p.get("traced_as"):
         lines.append(f"traced as: {p['traced_as']}")
     if p["stopped"]:
-        lines.append(f"trace ended early: {p['stopped']} (the phases after it are not planned)")
+        budget = p["stopped"].startswith("time budget")
+        more = f"; `paperline plan {p['paper']} --budget <CPU s>` goes further" if budget else ""
+        lines.append(f"trace ended early: {p['stopped']} (the phases after it are not planned{more})")
     lines += [f"DOES NOT FIT: {problem}" for problem in p["problems"]] or [
         "fits" if p["complete"] else "the traced phases fit; the plan is incomplete"]
     return "\n".join(lines)

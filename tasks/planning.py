@@ -915,8 +915,10 @@ def plan(paper_id: str, raw: Mapping[str, Any], test_raw: Mapping[str, Any], *, 
     if replicas:
         result.replicas = dict(replicas)
     def trace(real_data: bool) -> tuple[list[Phase], str]:  # real values may abort native code: in a child
-        run = _forked if real_data else (lambda fn, *a, **k: fn(*a, **k))
-        return run(_trace, paper, params, data_dir, out_dir, budget_s, real_data=real_data)
+        if real_data:  # a hung child spends no CPU: a wall-clock limit ends it, well above the CPU budget
+            return _forked(_trace, paper, params, data_dir, out_dir, budget_s, real_data=True,
+                           wall_s=max(RETRY_WALL_S, int(3 * budget_s)))
+        return _trace(paper, params, data_dir, out_dir, budget_s, real_data=False)
 
     # data-side tensors (tables, replay buffers, index bookkeeping, a paper's seeded draws) hold their real values,
     # so a paper's data loops run at NumPy speed and its data-dependent control flow is the real one; a trace that
@@ -1012,7 +1014,7 @@ def _real_tables():
             setattr(torch, name, make)
 
 
-def _forked(fn: Callable, *args, **kwargs) -> tuple[list[Phase], str]:
+def _forked(fn: Callable, *args, wall_s: int = RETRY_WALL_S, **kwargs) -> tuple[list[Phase], str]:
     """`fn(*args, **kwargs)` in a forked child: real values fed to native code (LAPACK, k-means) may abort the
     process, which must not take the plan with it. A bare `os.fork`, since `plan_all`'s planners are daemonic
     processes, which multiprocessing forbids to have children."""
@@ -1026,7 +1028,7 @@ def _forked(fn: Callable, *args, **kwargs) -> tuple[list[Phase], str]:
         # a fork of a process with threads can deadlock on a lock another thread held (no CPU is spent, so the
         # budget's SIGPROF never comes): a wall-clock alarm ends such a child, and the retry counts as died
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
-        signal.alarm(RETRY_WALL_S)
+        signal.alarm(wall_s)
         try:
             with os.fdopen(write, "wb") as out:
                 pickle.dump(fn(*args, **kwargs), out)

@@ -295,7 +295,8 @@ def test_declared_replicas_are_traced_once_and_scaled(tmp_path, monkeypatch):
     paper = types.SimpleNamespace(id="toy", Params=Params, train=train, prepare=lambda p, out: None, learns=True)
     monkeypatch.setattr(registry, "get", lambda pid: paper)
     monkeypatch.setattr(planning, "real_format", lambda *a: None, raising=False)
-    monkeypatch.setattr(planning, "_forked", lambda fn, *args, **kwargs: fn(*args, **kwargs))  # in this process
+    in_process = lambda fn, *args, wall_s=0, **kwargs: fn(*args, **kwargs)  # noqa: E731
+    monkeypatch.setattr(planning, "_forked", in_process)
     scaled = planning.plan("toy", {"n_copies": 5}, {}, cache=tmp_path)
     monkeypatch.setattr(Params.model_fields["n_copies"], "json_schema_extra", {})
     full = planning.plan("toy", {"n_copies": 5}, {}, cache=tmp_path / "all")
