@@ -1,33 +1,36 @@
 """Plan a profile before a GPU is spent: the paper's own `train(ctx)` under a planning context, nothing allocated.
 
-`plan(paper_id, params)` runs `Paper.train` inside `torch._subclasses.FakeTensorMode`: every tensor the paper
-makes is a fake (shape and dtype, no storage), so a model of any size costs nothing. `PlanContext` stands in for
+`plan(paper_id, params)` runs `Paper.train` inside `torch._subclasses.FakeTensorMode`: every tensor the paper makes
+is a fake (shape and dtype, no storage), so a model of any size costs nothing. `PlanContext` stands in for
 `tasks.context.TrainContext`: `engine(model)` only wraps the model, and `fit(...)` traces ONE training step of the
-phase (forward + backward on the rank's slice of the global batch), counting FLOPs with `FlopCounterMode`'s
-formulas and the bytes alive at once, records it with the phase's step count and returns without training; the
-paper then goes on to its next phase. A Python read of a fake value (`float(loss)`, `.item()`) gets a
-placeholder and `.numpy()` zeros of the right shape, so the control flow between phases runs; the first thing
-that cannot run on fakes, or the time budget, ends the plan there: the phases traced so far stand and
-`Plan.stopped` says why. Data-side tensors hold their real values (`_real_tables`, `_Placeholders(real_data=True)`:
-tensors made from the tables, integer index bookkeeping, draws from a paper's own seeded generator, and what is
-computed from those alone), so a data loop runs at NumPy speed and takes its real branches, while everything a model
-computes stays fake; a trace that fails on real values is run once more with every value fake. Fields a paper
-declares as replicas (`replica_counts`) are traced as one copy and scaled.
+phase (forward + backward on the rank's slice of the global batch), counting FLOPs with `FlopCounterMode`'s formulas
+and the bytes alive at once, records it with the phase's step count and returns without training; the paper then
+goes on to its next phase. A Python read of a fake value (`float(loss)`, `.item()`) gets a placeholder and
+`.numpy()` zeros of the right shape, so the control flow between phases runs; the first thing that cannot run on
+fakes, or the time budget, ends the plan there: the phases traced so far stand and `Plan.stopped` says why.
+Data-side tensors hold their real values (`_real_tables`, `_Placeholders(real_data=True)`: tensors made from the
+tables, integer index bookkeeping, draws from a paper's own seeded generator, and what is computed from those
+alone), so a data loop runs at NumPy speed and takes its real branches, while everything a model computes stays fake
+(a matmul or convolution stays fake even on real inputs: weights drawn from a paper's own generator are real); a
+trace that fails on real values is run once more with every value fake. Fields a paper declares as replicas
+(`replica_counts`) are traced as one copy and scaled. A Triton launch on fakes is skipped (its FLOPs are not
+counted; each phase says how many its step skipped).
 
-Data: planning never needs the profile's real data. The paper's `prepare` writes a planning copy with the
-profile's parameters except the data *amount and source* (counts such as `n_*`, dataset paths, encoders: the keys
-`_DATA_KEY` matches), which come from the paper's `test` profile; a batch drawn from it has the profile's row
-shape and batch size (indices past its rows are fine: the batch is fake). The host memory of the data is that
-copy's in-memory size, each table scaled by the overridden count it grows with (full / test), times the ranks on
-a node (each reads the tables). Where the full profile reads a real dataset, a small
-fixture in that dataset's format (`tasks/fixtures.py`: CIFAR-10 pickles, HotpotQA JSON, D4RL HDF5 ...) stands in
-for the files, so the rows have the real shapes; where there is no such fixture and the profile's row shapes
-cannot be prepared without the real files, the `test` profile's data is used and the plan says so.
+Data: planning never needs the profile's real data. The paper's `prepare` writes a planning copy with the profile's
+parameters except the data *amount and source* (counts such as `n_*`, dataset paths, encoders: the keys `_DATA_KEY`
+matches, and fields a paper declares `{"data": True}`), which come from the paper's `test` profile; a batch drawn
+from it has the profile's row shape and batch size (indices past its rows are fine: the batch is fake). The host
+memory of the data is that copy's in-memory size, each table scaled by the overridden count it grows with (full /
+test), times the ranks on a node (each reads the tables). Where the full profile reads a real dataset, a small
+fixture in that dataset's format (`tasks/fixtures.py`: CIFAR-10 pickles, HotpotQA JSON, D4RL HDF5 ...) stands in for
+the files, so the rows have the real shapes; where there is no such fixture and the profile's row shapes cannot be
+prepared without the real files, the `test` profile's data is used and the plan says so.
 
 Model states per rank follow DeepSpeed's accounting (mixed precision: 2-byte weights and gradients, 4-byte master
 weights, 8 bytes of Adam moments; `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs`
-for stages 2 and 3); fp32 training keeps 4-byte weights and gradients and no master copy. The activation peak is
-traced in fp32 and halved under bf16.
+for stages 2 and 3); fp32 training keeps 4-byte weights and gradients and no master copy. Weights a step uses
+without training them (frozen parameters, a teacher the step closes over) are added at their size. The activation
+peak is traced in fp32 and halved under bf16.
 """
 
 from __future__ import annotations
