@@ -171,12 +171,13 @@ def phase_table(p: dict[str, Any]) -> str:
     lines = [f"plan {p['paper']} ({p['profile']}): {p['ranks']} x {p['gpu']}, ZeRO {p['zero_stage']}, "
              f"{'bf16' if p['bf16'] else 'fp32'}, MFU {p['mfu']:.2f}",
              f"{'phase':22s} {'params':>12s} {'steps':>8s} {'weights':>8s} {'grads':>8s} {'optim':>8s} "
-             f"{'frozen':>8s} {'activ':>8s} {'rank GiB':>9s} {'TFLOP/step':>11s} {'PFLOP total':>12s}"]
+             f"{'frozen':>8s} {'activ':>8s} {'infer':>8s} {'rank GiB':>9s} {'TFLOP/step':>11s} {'PFLOP total':>12s}"]
     for ph in p["phases"]:
         lines.append(f"{ph['name'][:22]:22s} {ph['params']:12,d} {ph['steps']:8d} {ph['weights_bytes'] / GIB:8.2f} "
                      f"{ph['grads_bytes'] / GIB:8.2f} {ph['optimizer_bytes'] / GIB:8.2f} "
                      f"{ph['frozen_bytes'] / GIB:8.2f} "
-                     f"{ph['activation_bytes'] / GIB:8.2f} {ph['rank_bytes'] / GIB:9.2f} "
+                     f"{ph['activation_bytes'] / GIB:8.2f} {ph['inference_bytes'] / GIB:8.2f} "
+                     f"{ph['peak_bytes'] / GIB:9.2f} "
                      f"{ph['flops_step'] / 1e12:11.4f} {ph['flops_total'] * p['ranks'] / 1e15:12.3f}")
     lines.append(f"peak per rank {_gib(p['peak_rank_bytes'])} GiB; {p['flops_total'] / 1e15:.2f} PFLOP; "
                  f"{_hours(p['gpu_hours'])} GPU-hours ({p['ranks']} GPUs: {p['gpu_hours'] / p['ranks']:.2f} h wall)")

@@ -106,6 +106,8 @@ class Phase:
     saved_bytes: int = 0  # of those, alive when backward starts (what a forward keeps for its backward)
     frozen_bytes: int = 0  # weights the step uses but does not train (`frozen_weight_bytes`)
     kernel_launches: int = 0  # Triton launches in the step: skipped on fakes, their FLOPs not in flops_step
+    inference_bytes: int = 0  # largest no-grad module call outside steps since the phase before (the last phase:
+    # also after it), at the run's precision: what sampling or evaluation between phases allocates at once
     weights_bytes: int = 0
     grads_bytes: int = 0
     optimizer_bytes: int = 0
@@ -114,6 +116,11 @@ class Phase:
     @property
     def flops_total(self) -> float:
         return self.flops_step * self.steps  # per rank; x ranks for the job
+
+    @property
+    def peak_bytes(self) -> int:
+        """The larger of a training step and an inference call beside the phase's training state."""
+        return max(self.rank_bytes, self.rank_bytes - self.activation_bytes + self.inference_bytes)
 
 
 @dataclass
@@ -143,7 +150,7 @@ class Plan:
 
     @property
     def peak_rank_bytes(self) -> int:
-        return max((ph.rank_bytes for ph in self.phases), default=0)
+        return max((ph.peak_bytes for ph in self.phases), default=0)
 
     @property
     def flops_total(self) -> float:
@@ -166,6 +173,9 @@ class Plan:
                f"(weights {gib(ph.weights_bytes)}, grads {gib(ph.grads_bytes)}, optimizer {gib(ph.optimizer_bytes)}, "
                f"frozen weights {gib(ph.frozen_bytes)}, activations {gib(ph.activation_bytes)})"
                for ph in self.phases if ph.rank_bytes > limit]
+        out += [f"phase {ph.name}: an inference call outside its steps needs {gib(ph.inference_bytes)} beside the "
+                f"phase's training state: {gib(ph.peak_bytes)} per rank > {gib(limit)} usable on {self.gpu}"
+                for ph in self.phases if ph.rank_bytes <= limit < ph.peak_bytes]
         if self.data_bytes > HOST_RAM * HEADROOM:
             out.append(f"data: {gib(self.data_bytes)} of host memory a node > {gib(HOST_RAM * HEADROOM)} usable")
         return out
@@ -183,7 +193,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         for ph, raw in zip(self.phases, d["phases"], strict=True):
-            raw["flops_total"] = ph.flops_total
+            raw["flops_total"], raw["peak_bytes"] = ph.flops_total, ph.peak_bytes
         d.update(peak_rank_bytes=self.peak_rank_bytes, flops_total=self.flops_total, gpu_hours=self.gpu_hours,
                  nodes=self.nodes, fits=self.fits, complete=self.complete, problems=self.problems(),
                  traced_as=self.traced_as)
@@ -199,7 +209,8 @@ class Plan:
             key = re.sub(r"[^\w\-.]", "_", ph.name)
             out |= {f"plan/{key}/params": float(ph.params), f"plan/{key}/flops_step": ph.flops_step,
                     f"plan/{key}/steps": float(ph.steps), f"plan/{key}/rank_gib": ph.rank_bytes / GIB,
-                    f"plan/{key}/activation_gib": ph.activation_bytes / GIB}
+                    f"plan/{key}/activation_gib": ph.activation_bytes / GIB,
+                    f"plan/{key}/inference_gib": ph.inference_bytes / GIB}
         return out
 
 
@@ -271,6 +282,8 @@ class PlanContext:
     _traced: dict[tuple, Phase] = field(default_factory=dict, repr=False)
     stepping: bool = False  # inside a traced step (every op counts: `_reuse_inference_calls` stands aside)
     kernel_launches: int = 0  # Triton launches skipped on fakes inside traced steps so far
+    inference_bytes: int = 0  # largest no-grad module call outside steps since the last phase (fp32 as traced)
+    measuring: bool = False  # inside such a call, whose counter sees the ops of the calls nested in it
 
     def engine(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0) -> _Engine:
         return _Engine(model, lr, weight_decay)
@@ -302,7 +315,10 @@ class PlanContext:
                 raise EmptyBatch(f"phase {name}: batch {', '.join(empty)} has no rows on placeholder values")
             key = _step_signature(model, step_fn, local)
             if key in self._traced:  # the same step as a phase traced before (another arm, chunk, task step)
-                self.phases.append(replace(self._traced[key], name=name, steps=int(num_steps)))
+                inference = int(self.inference_bytes * (0.5 if self.params.bf16 else 1.0))
+                self.phases.append(replace(self._traced[key], name=name, steps=int(num_steps),
+                                           inference_bytes=inference))
+                self.inference_bytes = 0
                 engine.step()
                 return
             real = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()]
@@ -329,9 +345,10 @@ class PlanContext:
             buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
             batch={k: list(v.shape) for k, v in local.items() if isinstance(v, torch.Tensor)},
             flops_step=float(step.flops), frozen_bytes=frozen_weight_bytes(model, step_fn, self.params),
-            kernel_launches=self.kernel_launches - launches,
+            kernel_launches=self.kernel_launches - launches, inference_bytes=int(self.inference_bytes * scale),
             activation_bytes=int(transient * scale), saved_bytes=int(saved * scale)))
         self._traced[key] = self.phases[-1]
+        self.inference_bytes = 0
         engine.step()
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
@@ -649,7 +666,16 @@ def _reuse_inference_calls(ctx: PlanContext):
         key = (id(module), module.training, shape_of(args), shape_of(kwargs))
         if key in results:
             return torch.utils._pytree.tree_map(fresh, results[key][1])
-        out = call(module, *args, **kwargs)
+        if ctx.measuring:  # nested in a call being measured: its counter sees these ops
+            out = call(module, *args, **kwargs)
+        else:
+            ctx.measuring, counter = True, _StepCounter()
+            try:
+                with counter:
+                    out = call(module, *args, **kwargs)
+            finally:
+                ctx.measuring = False
+            ctx.inference_bytes = max(ctx.inference_bytes, counter.peak(exclude=set())[0])
         if all(isinstance(t, FakeTensor) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)):
             results[key] = (module, out)  # the module is kept, so its id is not reused by another while planning
         return out
@@ -976,6 +1002,10 @@ def _trace(paper, params: PaperParams, data_dir: Path, out_dir: Path, budget_s: 
                 FakeTensorMode(allow_non_fake_inputs=True), _Placeholders(real_data), \
                 (_real_tables() if real_data else contextlib.nullcontext()):
             paper.train(ctx)
+        if ctx.phases:  # sampling or evaluation after the last phase
+            last = ctx.phases[-1]
+            scale = 0.5 if params.bf16 else 1.0
+            ctx.phases[-1] = replace(last, inference_bytes=max(last.inference_bytes, int(ctx.inference_bytes * scale)))
     except PlanStop as e:
         stopped = str(e)
         if os.environ.get("PAPERLINE_PLAN_DEBUG"):  # where the budget ran out

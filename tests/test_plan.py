@@ -483,3 +483,27 @@ def test_a_triton_launch_on_fakes_is_skipped_and_counted(tmp_path):
     assert stopped == "" and phases[0].kernel_launches == 1
     x = torch.arange(64.0).reshape(2, 32)
     assert torch.equal(K.tbik_sum(x, 1), x.sum(1))  # small integers: every summation order is exact
+
+
+def test_an_inference_call_between_phases_counts_toward_the_peak(tmp_path):
+    """Sampling a whole pool at once between phases allocates its logits together: the phase after it says how
+    much, the plan's peak holds it beside the training state, and a call too large for the GPU is a problem."""
+    import types
+
+    def train(ctx):
+        net = torch.nn.Linear(64, 1000)
+        with torch.no_grad():
+            pool = net(torch.randn(50_000, 64))  # (50k, 1000) fp32 logits: 200 MB at once
+        ctx.fit("fit", ctx.engine(net, 1e-3), lambda engine, b, step: (engine(b["x"]).sum(), {}),
+                lambda step: {"x": pool[:8, :64]}, 10)
+
+    phases, stopped = planning._trace(types.SimpleNamespace(train=train), _Params(), tmp_path, tmp_path, 20.0,
+                                      real_data=False)
+    (phase,) = phases
+    assert stopped == "" and phase.inference_bytes == 50_000 * 1000 * 4
+    phase.rank_bytes = phase.activation_bytes + 10
+    plan = planning.Plan(paper="toy", profile="full", gpu="h100-80gb", ranks=1, zero_stage=0, bf16=False, mfu=0.35,
+                         phases=[phase])
+    assert plan.peak_rank_bytes == 10 + 50_000 * 1000 * 4 and plan.fits
+    phase.inference_bytes = 100 * GIB
+    assert not plan.fits and "inference call" in plan.problems()[0]
