@@ -110,9 +110,9 @@ def test_every_full_profile_is_planned_and_fits(every_plan):
         if registry.get(pid).learns and not (plan["phases"] and plan["phases"][0]["flops_step"] > 0):
             untraced[pid] = plan["stopped"]
     assert not untraced, untraced  # every paper's trace reaches its first phase
-    # and all but two trace every phase: ldka (19 incremental phases, each 16 DeepLabV3-101s side by side) and tbik
-    # (rollouts decoded token by token, then Triton kernels, which do not run on fakes) spend the CPU budget first;
-    # a slower machine may push one or two more past it (the budget is CPU seconds)
+    # and all but two trace every phase: ldka (31 phases, most of them 16 DeepLabV3-101s side by side: ~360 CPU s)
+    # and tbik (256 rollouts decoded token by token through the reference tree matmuls) spend the CPU budget first
+    # (`paperline plan <id> --budget S` traces them to the end); a slower machine may push one or two more past it
     incomplete = {pid: plan.get("stopped") or plan.get("error") for pid, plan in every_plan.items()
                   if not plan.get("complete")}
     assert len(set(incomplete) - {"ldka", "tbik"}) <= 2, incomplete
