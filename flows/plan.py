@@ -76,7 +76,9 @@ def plan_all(profile: str = "full", gpu: str | None = None, mfu: float | None = 
     ids = ids or registry.paper_ids()
     import torch  # noqa: F401 - imported once here, inherited by every forked planner
 
-    import tasks.planning  # noqa: F401
+    from tasks import planning
+
+    planning.warm_up(_cache())  # what the first trace loads and caches, loaded once here for every planner
     last = _last_seconds()
     ctx = multiprocessing.get_context("fork")
     results: dict[str, dict[str, Any]] = {}

@@ -979,6 +979,34 @@ def declared_fields(params_type: type[PaperParams], kind: str) -> list[str]:
             if isinstance(spec.json_schema_extra, dict) and spec.json_schema_extra.get(kind)]
 
 
+def warm_up(folder: Path) -> None:
+    """Trace a toy step (convolution, attention, embedding, norms, a loss), all-fake and on real values, in this
+    process: the lazy imports and per-op caches the fake-tensor machinery fills on first use are then inherited by
+    every planner `plan_all` forks, instead of each paying them again (~1.3 CPU s a paper)."""
+    import types
+
+    def train(ctx):
+        net = torch.nn.ModuleDict({"conv": torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8),
+                                                                torch.nn.ReLU(), torch.nn.Flatten(1)),
+                                   "emb": torch.nn.Embedding(16, 8), "norm": torch.nn.LayerNorm(8),
+                                   "attn": torch.nn.MultiheadAttention(8, 2, batch_first=True),
+                                   "head": torch.nn.Linear(8 * 36 + 8, 4)})
+
+        def step_fn(engine, b, step):
+            m = engine.module
+            h = m["norm"](m["emb"](b["tok"]))
+            h = torch.nn.functional.gelu(m["attn"](h, h, h, need_weights=False)[0]).mean(1)
+            logits = m["head"](torch.cat([m["conv"](b["x"]), h], 1))
+            return torch.nn.functional.cross_entropy(logits, b["y"]), {"acc": float((logits.argmax(1) == b["y"])
+                                                                                    .float().mean())}
+
+        ctx.fit("warm-up", ctx.engine(net, 1e-3), step_fn, lambda step: {
+            "x": torch.randn(4, 3, 8, 8), "tok": torch.randint(0, 16, (4, 5)), "y": torch.tensor([0, 1, 2, 3])}, 2)
+
+    for real in (True, False):
+        _trace(types.SimpleNamespace(train=train), PaperParams(), folder, folder, BUDGET_S, real_data=real)
+
+
 def replica_counts(paper, params: PaperParams) -> dict[str, int]:
     """Counts (> 1) of the fields a paper declares as replicas (`Field(..., json_schema_extra={"replicas": True})`):
     that many independent copies of every network, trained side by side in the same phases on the same batches,

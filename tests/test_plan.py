@@ -507,3 +507,11 @@ def test_an_inference_call_between_phases_counts_toward_the_peak(tmp_path):
     assert plan.peak_rank_bytes == 10 + 50_000 * 1000 * 4 and plan.fits
     phase.inference_bytes = 100 * GIB
     assert not plan.fits and "inference call" in plan.problems()[0]
+
+
+def test_the_warm_up_before_forking_planners_traces_its_toy_step(tmp_path, monkeypatch):
+    traced = []
+    trace = planning._trace
+    monkeypatch.setattr(planning, "_trace", lambda *a, **k: traced.append(result := trace(*a, **k)) or result)
+    planning.warm_up(tmp_path)
+    assert [(stopped, [ph.name for ph in phases]) for phases, stopped in traced] == [("", ["warm-up"])] * 2
