@@ -161,7 +161,8 @@ def table(plans: list[dict[str, Any]]) -> str:
             traced += f" (then: {p['stopped'][:60]})"
         if p.get("replicas"):
             traced += " (" + ", ".join(f"{k} = {n} replicas traced as 1" for k, n in p["replicas"].items()) + ")"
-        rows.append(f"| {p['paper']} | {p['ranks']} | {_hours(p['gpu_hours'])} | {_gib(p['peak_rank_bytes'])} | "
+        hours = (">= " if p.get("steps_lower_bound") else "") + _hours(p["gpu_hours"])
+        rows.append(f"| {p['paper']} | {p['ranks']} | {hours} | {_gib(p['peak_rank_bytes'])} | "
                     f"{_gib(p['data_bytes'])} | {p['zero_stage']} | {traced.replace('|', '/')} | {verdict} |")
     return "\n".join(rows)
 
@@ -185,6 +186,9 @@ def phase_table(p: dict[str, Any]) -> str:
                  f"{_hours(p['gpu_hours'])} GPU-hours ({p['ranks']} GPUs: {p['gpu_hours'] / p['ranks']:.2f} h wall)")
     lines += [f"phase {ph['name']}: {ph['kernel_launches']} Triton launches a step, skipped on fakes (their FLOPs are "
               "not counted)" for ph in p["phases"] if ph.get("kernel_launches")]
+    if p.get("steps_lower_bound"):
+        lines.append(f"steps are passes ({', '.join(p['passes'])}) over the planning copy's rows, which are the test "
+                     "profile's amount: the FLOPs and GPU-hours are a lower bound (memory per rank is not)")
     lines.append(f"host memory for the data: {_gib(p['data_bytes'])} GiB ({p['data_note']})")
     if p.get("traced_as"):
         lines.append(f"traced as: {p['traced_as']}")

@@ -108,8 +108,9 @@ class Params(PaperParams):
                                                           "0 = own colour (no low-margin regime).")
     noise: float = Field(0.08, ge=0, description="Pixel noise.")
     images_per_step: int = Field(400, ge=1, description="Training images per incremental step.")
-    epochs: int = Field(4, ge=1, description="Epochs per incremental step.")
-    base_epochs: int = Field(8, ge=1, description="Epochs of the first (base-class) step, shared by every arm.")
+    epochs: int = Field(4, ge=1, description="Epochs per incremental step.", json_schema_extra={"passes": True})
+    base_epochs: int = Field(8, ge=1, description="Epochs of the first (base-class) step, shared by every arm.",
+                             json_schema_extra={"passes": True})
     batch_size: int = Field(32, ge=2)
     lr: float = Field(3e-3, gt=0)
     width: int = Field(8, ge=2, description="U-Net base width.")

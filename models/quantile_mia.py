@@ -93,7 +93,8 @@ class Params(PaperParams):
                                             "(CIFAR stem, GroupNorm) as in the paper (full).")
     hidden: int = Field(256, ge=4, description="Width of the target and shadow MLPs; the ResNet-18's first stage.")
     reg_hidden: int = Field(128, ge=4, description="Width of the quantile regressor MLP.")
-    epochs: int = Field(30, ge=1, description="Target epochs (steps = epochs x members / batch_size).")
+    epochs: int = Field(30, ge=1, description="Target epochs (steps = epochs x members / batch_size).",
+                        json_schema_extra={"passes": True})
     batch_size: int = Field(256, ge=2, description="Per-network batch size.")
     lr: float = Field(1e-3, gt=0)
     shadows: int = Field(8, ge=2, description="S shadow models per seed (even).")

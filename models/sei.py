@@ -67,13 +67,14 @@ class Params(PaperParams):
     test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="Held-out clean test split.")
     settings: list[NoiseSetting] = Field(min_length=1, description="Label-noise settings (type, rate).")
     repeats: int = Field(1, ge=1, description="Noise draws per setting (seeds seed, seed+1, ...).")
-    epochs: int = Field(20, ge=1, description="Training epochs E of every network.")
+    epochs: int = Field(20, ge=1, description="Training epochs E of every network.", json_schema_extra={"passes": True})
     batch_size: int = Field(128, ge=2)
     lr: float = Field(3e-3, gt=0)
     width: int = Field(16, ge=4, description="Channels of the first conv layer (the second has 2x).")
     cv_folds: int = Field(3, ge=2, description="Folds of confident learning's out-of-fold predictions.")
     prompt_encoder: Literal["minilm", "random"] = Field("minilm", description="Text tower of the CLIP-style net.")
-    downstream_epochs: int = Field(20, ge=1, description="Epochs of the retraining after removing flagged samples.")
+    downstream_epochs: int = Field(20, ge=1, description="Epochs of the retraining after removing flagged samples.",
+                                   json_schema_extra={"passes": True})
 
 
 # ---- data --------------------------------------------------------------------------------------------------

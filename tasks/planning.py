@@ -137,7 +137,14 @@ class Plan:
     data_note: str = ""
     stopped: str = ""  # why the trace ended before train() returned ("" when it returned)
     replicas: dict[str, int] = field(default_factory=dict)  # declared replica counts, traced as one copy each
+    passes: list[str] = field(default_factory=list)  # declared epoch fields: steps are passes over the planning rows
     seconds: float = 0.0
+
+    @property
+    def steps_lower_bound(self) -> bool:
+        """The paper's step counts are passes (epochs) over its rows, and the planning copy has the test profile's
+        rows, not the profile's data: its FLOPs and GPU-hours are a lower bound (memory per rank is not)."""
+        return bool(self.passes)
 
     @property
     def traced_as(self) -> str:
@@ -196,7 +203,7 @@ class Plan:
             raw["flops_total"], raw["peak_bytes"] = ph.flops_total, ph.peak_bytes
         d.update(peak_rank_bytes=self.peak_rank_bytes, flops_total=self.flops_total, gpu_hours=self.gpu_hours,
                  nodes=self.nodes, fits=self.fits, complete=self.complete, problems=self.problems(),
-                 traced_as=self.traced_as)
+                 traced_as=self.traced_as, steps_lower_bound=self.steps_lower_bound)
         return d
 
     def metrics(self) -> dict[str, float]:
@@ -941,8 +948,8 @@ def plan(paper_id: str, raw: Mapping[str, Any], test_raw: Mapping[str, Any], *, 
     out_dir = cache / "out" / paper_id
     out_dir.mkdir(parents=True, exist_ok=True)
     budget_s = BUDGET_S if budget_s is None else budget_s
-    if replicas:
-        result.replicas = dict(replicas)
+    result.replicas, result.passes = dict(replicas), declared_fields(type(params), "passes")
+
     def trace(real_data: bool) -> tuple[list[Phase], str]:  # real values may abort native code: in a child
         if real_data:  # a hung child spends no CPU: a wall-clock limit ends it, well above the CPU budget
             return _forked(_trace, paper, params, data_dir, out_dir, budget_s, real_data=True,
@@ -973,8 +980,9 @@ def plan(paper_id: str, raw: Mapping[str, Any], test_raw: Mapping[str, Any], *, 
 
 
 def declared_fields(params_type: type[PaperParams], kind: str) -> list[str]:
-    """Fields a paper marks `Field(..., json_schema_extra={kind: True})`: "replicas", or "data" (an amount of
-    data that the planning copy takes from the test profile, like the counts `_DATA_KEY` matches by name)."""
+    """Fields a paper marks `Field(..., json_schema_extra={kind: True})`: "replicas", "data" (an amount of data
+    that the planning copy takes from the test profile, like the counts `_DATA_KEY` matches by name), or "passes"
+    (epochs: a phase's steps are these passes over the rows, so they are counted at the planning copy's rows)."""
     return [name for name, spec in params_type.model_fields.items()
             if isinstance(spec.json_schema_extra, dict) and spec.json_schema_extra.get(kind)]
 

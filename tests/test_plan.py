@@ -515,3 +515,26 @@ def test_the_warm_up_before_forking_planners_traces_its_toy_step(tmp_path, monke
     monkeypatch.setattr(planning, "_trace", lambda *a, **k: traced.append(result := trace(*a, **k)) or result)
     planning.warm_up(tmp_path)
     assert [(stopped, [ph.name for ph in phases]) for phases, stopped in traced] == [("", ["warm-up"])] * 2
+
+
+def test_steps_that_are_passes_over_the_rows_make_the_hours_a_lower_bound(tmp_path, monkeypatch):
+    """A paper whose steps are epochs x batches of its rows declares the epoch field: the planning copy has the
+    test profile's rows, so the plan says its GPU-hours are a lower bound (the table prints ">=")."""
+    import types
+
+    from pydantic import Field
+
+    class Params(PaperParams):
+        epochs: int = Field(3, json_schema_extra={"passes": True})
+
+    def train(ctx):
+        rows = 40  # as many as the planning copy has
+        ctx.fit("fit", ctx.engine(torch.nn.Linear(4, 2), 1e-3), lambda engine, b, step: (engine(b["x"]).sum(), {}),
+                lambda step: {"x": torch.randn(8, 4)}, ctx.params.epochs * rows // 8)
+
+    paper = types.SimpleNamespace(id="toy", Params=Params, train=train, prepare=lambda p, out: None, learns=True)
+    monkeypatch.setattr(registry, "get", lambda pid: paper)
+    plan = planning.plan("toy", {"epochs": 3}, {}, cache=tmp_path).to_dict()
+    assert plan["steps_lower_bound"] and plan["passes"] == ["epochs"] and plan["phases"][0]["steps"] == 15
+    assert "| toy | 1 | >= " in flow_plan.table([plan])
+    assert "lower bound" in flow_plan.phase_table(plan)
