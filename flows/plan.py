@@ -79,11 +79,10 @@ def plan_all(profile: str = "full", gpu: str | None = None, mfu: float | None = 
     from tasks import planning
 
     planning.warm_up(_cache())  # what the first trace loads and caches, loaded once here for every planner
-    last = _last_seconds()
     ctx = multiprocessing.get_context("fork")
     results: dict[str, dict[str, Any]] = {}
     running: dict[str, tuple[Any, Any, float]] = {}
-    todo = sorted(ids, key=lambda pid: -last.get(pid, 0.0))
+    todo = _longest_first(ids, _last_seconds())
     while todo or running:
         while todo and len(running) < workers:
             pid = todo.pop(0)
@@ -110,6 +109,11 @@ def plan_all(profile: str = "full", gpu: str | None = None, mfu: float | None = 
             receive.close()
             del running[pid]
     return [results[pid] for pid in ids]
+
+
+def _longest_first(ids: list[str], seconds: Mapping[str, float]) -> list[str]:
+    """`ids` by the seconds each took last time, longest first (unknown ones last, in their order)."""
+    return sorted(ids, key=lambda pid: -seconds.get(pid, 0.0))
 
 
 def _last_seconds(path: Path | None = None) -> dict[str, float]:
@@ -185,7 +189,7 @@ def phase_table(p: dict[str, Any]) -> str:
     lines.append(f"peak per rank {_gib(p['peak_rank_bytes'])} GiB; {p['flops_total'] / 1e15:.2f} PFLOP; "
                  f"{_hours(p['gpu_hours'])} GPU-hours ({p['ranks']} GPUs: {p['gpu_hours'] / p['ranks']:.2f} h wall)")
     lines += [f"phase {ph['name']}: {ph['kernel_launches']} Triton launches a step, skipped on fakes (their FLOPs are "
-              "not counted)" for ph in p["phases"] if ph.get("kernel_launches")]
+              "not counted)" for ph in p["phases"] if ph["kernel_launches"]]
     if p.get("steps_lower_bound"):
         lines.append(f"steps are passes ({', '.join(p['passes'])}) over the planning copy's rows, which are the test "
                      "profile's amount: the FLOPs and GPU-hours are a lower bound (memory per rank is not)")

@@ -81,7 +81,9 @@ BUDGET_S = 20.0  # CPU seconds per paper (a busy machine plans as far as an idle
 
 
 class PrepareFailed(RuntimeError):
-    """A planning copy's `prepare` failed before (its error's type is the message): the cache remembers it."""
+    """A planning copy's `prepare` failed before (its error's type is the message): the cache remembers it. The
+    copy reads no file of the user's (its path keys are the test profile's or a fixture's), so the same params and
+    code fail the same way until one of them changes, which changes the cache key."""
 
 
 class EmptyBatch(RuntimeError):
@@ -322,10 +324,8 @@ class PlanContext:
                 raise EmptyBatch(f"phase {name}: batch {', '.join(empty)} has no rows on placeholder values")
             key = _step_signature(model, step_fn, local)
             if key in self._traced:  # the same step as a phase traced before (another arm, chunk, task step)
-                inference = int(self.inference_bytes * (0.5 if self.params.bf16 else 1.0))
                 self.phases.append(replace(self._traced[key], name=name, steps=int(num_steps),
-                                           inference_bytes=inference))
-                self.inference_bytes = 0
+                                           inference_bytes=self.take_inference_bytes()))
                 engine.step()
                 return
             real = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()]
@@ -343,7 +343,7 @@ class PlanContext:
             weights = [*fakes.values(), *(p for p in model.parameters() if isinstance(p, FakeTensor))]
             grads = step.allocations(t.grad for t in weights if t.grad is not None)
         transient, saved = step.peak(exclude=grads)
-        scale = 0.5 if self.params.bf16 else 1.0
+        scale = self.run_precision
         trainable = [p for p in model.parameters() if p.requires_grad]
         largest = max((sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad)
                        for m in model.modules()), default=0)
@@ -352,11 +352,20 @@ class PlanContext:
             buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
             batch={k: list(v.shape) for k, v in local.items() if isinstance(v, torch.Tensor)},
             flops_step=float(step.flops), frozen_bytes=frozen_weight_bytes(model, step_fn, self.params),
-            kernel_launches=self.kernel_launches - launches, inference_bytes=int(self.inference_bytes * scale),
+            kernel_launches=self.kernel_launches - launches, inference_bytes=self.take_inference_bytes(),
             activation_bytes=int(transient * scale), saved_bytes=int(saved * scale)))
         self._traced[key] = self.phases[-1]
-        self.inference_bytes = 0
         engine.step()
+
+    @property
+    def run_precision(self) -> float:
+        """Bytes at the run's precision per byte traced (in fp32): half under bf16."""
+        return 0.5 if self.params.bf16 else 1.0
+
+    def take_inference_bytes(self) -> int:
+        """The largest inference call since the last phase, at the run's precision; the next phase starts from 0."""
+        taken, self.inference_bytes = int(self.inference_bytes * self.run_precision), 0
+        return taken
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         pass
@@ -378,10 +387,9 @@ def frozen_weight_bytes(model: torch.nn.Module, step_fn: Callable, params: Paper
     bf16 with the rest of the engine under mixed precision, partitioned under ZeRO-3), and the parameters and
     buffers of the modules the step function closes over outside the engine (a teacher, the previous step's
     models, a reference policy: at their own dtype, on every rank), each storage once."""
-    inside = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     total = frozen * (2 if params.bf16 else 4) // (params.ranks if params.zero_stage == 3 else 1)
-    seen = set(inside)
+    seen = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}  # the engine's own
     for module in _closed_over_modules(step_fn):
         for t in [*module.parameters(), *module.buffers()]:
             address = t.untyped_storage()._cdata
@@ -813,9 +821,9 @@ _DATA_KEY = re.compile(
     r"n_clips|n_molecules|n_transitions|toy_train|toy_exact|n_entities|n_seed|pool_size|n_external|n_drawings|"
     r"n_sequences|n_nodes|n_mc|n_curve|train_M|n_targets|examples|eval_pairs|transfer_pairs|n_train_graphs|"
     r"n_test_graphs|n_val_graphs|nodes_train|nodes_test|review_instances|gate2_instances|n_questions|"
-    r"n_fit|n_eval_families|dataset|\w+_dir|\w+_path|data_root|source|\w*encoder|embedder|body_model|karate|n_f|n_p|"
+    r"n_fit|n_eval_families|dataset|\w+_dir|\w+_path|\w+_file|data_root|source|\w*encoder|embedder|body_model|karate|n_f|n_p|"
     r"episodes|\w+_episodes)")
-_SOURCE_KEY = re.compile(r"dataset|\w+_dir|\w+_path|data_root|source|body_model")
+_SOURCE_KEY = re.compile(r"dataset|\w+_dir|\w+_path|\w+_file|data_root|source|body_model")
 
 
 def data_overrides(profile: Mapping[str, Any], test: Mapping[str, Any],
@@ -873,7 +881,6 @@ def _prepare_cached(paper, params: PaperParams, cache: Path) -> Path:
             raise
         (out / ".done").write_text("")
     return out
-
 
 
 def _table_bytes(folder: Path, counts: list[tuple[int, int]]) -> int:
@@ -1040,8 +1047,7 @@ def _trace(paper, params: PaperParams, data_dir: Path, out_dir: Path, budget_s: 
             paper.train(ctx)
         if ctx.phases:  # sampling or evaluation after the last phase
             last = ctx.phases[-1]
-            scale = 0.5 if params.bf16 else 1.0
-            ctx.phases[-1] = replace(last, inference_bytes=max(last.inference_bytes, int(ctx.inference_bytes * scale)))
+            ctx.phases[-1] = replace(last, inference_bytes=max(last.inference_bytes, ctx.take_inference_bytes()))
     except PlanStop as e:
         stopped = str(e)
         if os.environ.get("PAPERLINE_PLAN_DEBUG"):  # where the budget ran out

@@ -462,6 +462,8 @@ def test_plan_all_starts_the_papers_that_took_longest_last_time_first(tmp_path, 
     (tmp_path / "plan.json").write_text(json.dumps([{"paper": "a", "seconds": 1.0}, {"paper": "b", "seconds": 9.0}]))
     assert flow_plan._last_seconds(tmp_path / "plan.json") == {"a": 1.0, "b": 9.0}
     assert flow_plan._last_seconds(tmp_path / "missing.json") == {}
+    assert flow_plan._longest_first(["a", "new", "b"], flow_plan._last_seconds(tmp_path / "plan.json")) == \
+        ["b", "a", "new"]
 
 
 def test_a_triton_launch_on_fakes_is_skipped_and_counted(tmp_path):
