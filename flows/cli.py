@@ -197,8 +197,8 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="JSON for tools instead of tables.")] = False,
     budget: Annotated[float | None, typer.Option(help="CPU seconds the trace of one paper may take (default 20; "
                                                       "a plan that stops on it says so).")] = None,
-    gpus: Annotated[bool, typer.Option("--gpus", help="Print only the GPUs the job needs (full-gpu deployment).")]
-    = False,
+    gpus: Annotated[bool, typer.Option("--gpus", help="Print only the GPUs the plan's numbers need (the full-gpu "
+                                                      "deployment runs that many ranks).")] = False,
 ) -> None:
     """Memory per rank, FLOPs and GPU-hours of a profile, from one traced step of each training phase (nothing is
     allocated or trained). Exit 1 naming the phase and the number when a rank would not fit."""
@@ -219,10 +219,10 @@ def plan(
                 _fail("name paper ids or pass --all")
             if overrides and len(papers) > 1:
                 raise registry.ConfigError("--set applies to one paper at a time")
-            plans = [planning.plan_paper(pid, profile, overrides, gpu=gpu, mfu=mfu, budget_s=budget).to_dict()
+            plans = [planning.plan_paper(pid, profile, overrides, gpu=gpu, mfu=mfu, budget_s=budget)
                      for pid in papers]
             if gpus:
-                typer.echo(" ".join(str(p["ranks"]) for p in plans))
+                typer.echo(" ".join(str(p["gpus_needed"]) for p in plans))
             else:
                 typer.echo(planning.to_json(plans if len(plans) > 1 else plans[0]) if as_json
                            else "\n\n".join(planning.phase_table(p) for p in plans))

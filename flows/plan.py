@@ -3,7 +3,11 @@
 `plan_paper` plans one paper (tasks/planning.py says how: the paper's own `train(ctx)` traced on fake tensors, one
 step per `fit` phase); `plan_all` plans every paper, two at a time, each in its own process, and `write_report`
 writes `reports/plan.md`. `plan_metrics(paper_id, params)` gives the `plan/*` numbers a full run logs, so a
-finished run can be held against its estimate. `gpus(plan)` is what the `full-gpu` deployment asks Kubernetes for.
+finished run can be held against its estimate. A plan's `gpus_needed` is what the `full-gpu` deployment asks for.
+
+Planning patches torch while it traces (fake tensors, `torch.tensor`, `Module.__call__`), so it never runs in the
+caller's process: each entry point runs in a fresh `python -m flows.plan` subprocess (no threads of the caller's to
+deadlock a fork, no patched torch for a flow's other threads to see) and answers in JSON.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,51 +34,86 @@ def _cache() -> Path:
 
 
 def plan_paper(paper_id: str, profile: str = "full", overrides: Mapping[str, Any] | None = None, *,
-               gpu: str | None = None, mfu: float | None = None, params_file: Path | None = None,
-               budget_s: float | None = None):
+               gpu: str | None = None, mfu: float | None = None, budget_s: float | None = None) -> dict[str, Any]:
     """Plan one paper's profile (overrides as `--set` gives them; `budget_s` CPU seconds for the trace, default
-    `planning.BUDGET_S`). Raises ConfigError on bad input."""
+    `planning.BUDGET_S`), in a fresh process: the plan as `Plan.to_dict()`. Raises ConfigError on bad input, named
+    here before the subprocess starts."""
+    registry.resolve(paper_id, profile, overrides, settings.params_file())  # bad keys and values named first
     from tasks import planning
 
-    params_file = params_file or settings.params_file()
-    raw = registry.raw_params(paper_id, profile, overrides, params_file)
-    registry.resolve(paper_id, profile, overrides, params_file)  # bad keys and values named before any work
-    test = registry.raw_params(paper_id, "test", None, params_file)
     if gpu is not None and gpu not in planning.GPUS:
         raise registry.ConfigError(f"unknown --gpu {gpu!r}; known: {', '.join(planning.GPUS)}")
+    return _isolated("paper", {"paper": paper_id, "profile": profile, "overrides": dict(overrides or {}),
+                               "gpu": gpu, "mfu": mfu, "budget_s": budget_s})
+
+
+def _plan_paper_here(paper_id: str, profile: str = "full", overrides: Mapping[str, Any] | None = None, *,
+                     gpu: str | None = None, mfu: float | None = None, budget_s: float | None = None):
+    from tasks import planning
+
+    params_file = settings.params_file()
+    raw = registry.raw_params(paper_id, profile, overrides, params_file)
+    test = registry.raw_params(paper_id, "test", None, params_file)
     return planning.plan(paper_id, raw, test, profile=profile, gpu=gpu or planning.DEFAULT_GPU,
                          mfu=mfu or planning.DEFAULT_MFU, cache=_cache(), budget_s=budget_s)
 
 
 def plan_metrics(paper_id: str, params) -> dict[str, float]:
     """The `plan/*` numbers of a run's validated params (a `PaperParams`, or the dict of one), for MLflow."""
-    from tasks import planning
-
     raw = params.model_dump(mode="json") if hasattr(params, "model_dump") else dict(params)
-    test = registry.raw_params(paper_id, "test", None, settings.params_file())
-    return planning.plan(paper_id, raw, test, cache=_cache()).metrics()
+    return _isolated("metrics", {"paper": paper_id, "raw": raw})
 
 
-def gpus(plan) -> int:
-    """GPUs the job asks for: one per rank (DeepSpeed runs one rank per GPU)."""
-    return plan.ranks
+def _isolated(command: str, payload: dict[str, Any]) -> Any:
+    """`python -m flows.plan <command>` with `payload` as JSON on stdin: its JSON answer (stdout). What the
+    planner or the paper prints goes to stderr; a planner that fails says why in the raised error."""
+    done = subprocess.run([sys.executable, "-m", "flows.plan", command], input=json.dumps(payload), text=True,
+                          capture_output=True, cwd=settings.root())
+    if done.returncode == 2:  # bad input found in the planner process: the same error as here
+        raise registry.ConfigError(done.stdout.strip() or done.stderr.strip().splitlines()[-1])
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        raise RuntimeError(f"the planning process failed (exit {done.returncode}): {tail}")
+    return json.loads(done.stdout)
+
+
+def _serve(command: str, payload: dict[str, Any]) -> Any:
+    """What `_isolated` runs in the fresh process."""
+    if command == "paper":
+        return _plan_paper_here(payload["paper"], payload["profile"], payload["overrides"], gpu=payload["gpu"],
+                                mfu=payload["mfu"], budget_s=payload["budget_s"]).to_dict()
+    if command == "metrics":
+        from tasks import planning
+
+        test = registry.raw_params(payload["paper"], "test", None, settings.params_file())
+        return planning.plan(payload["paper"], payload["raw"], test, cache=_cache()).metrics()
+    if command == "all":
+        return _plan_all_here(payload["profile"], payload["gpu"], payload["mfu"], payload["ids"])
+    raise ValueError(f"unknown planning command {command!r}")
 
 
 def _plan_one(args: tuple) -> dict[str, Any]:
     paper_id, profile, gpu, mfu = args
     try:
-        return plan_paper(paper_id, profile, gpu=gpu, mfu=mfu).to_dict()
+        return _plan_paper_here(paper_id, profile, gpu=gpu, mfu=mfu).to_dict()
     except Exception as e:  # noqa: BLE001 - one paper's failure is a row of the table, not the end of the table
         return {"paper": paper_id, "error": f"{type(e).__name__}: {e}"}
 
 
 def plan_all(profile: str = "full", gpu: str | None = None, mfu: float | None = None,
-             ids: list[str] | None = None, workers: int = MAX_WORKERS,
-             limit_s: float = LIMIT_S) -> list[dict[str, Any]]:
+             ids: list[str] | None = None) -> list[dict[str, Any]]:
     """Every paper's plan as dicts (`Plan.to_dict`), in id order; a paper that failed to plan has `error`.
-    Each paper plans in its own forked process (`workers` at a time), ended after `limit_s` seconds: a paper
-    whose planning hangs in native code becomes a row saying so instead of stalling the table. The papers that
-    took longest last time (`reports/plan.json`) start first, so no long one is left alone at the end."""
+    Planned by a fresh process (`_plan_all_here`), which forks one planner per paper."""
+    return _isolated("all", {"profile": profile, "gpu": gpu, "mfu": mfu, "ids": ids})
+
+
+def _plan_all_here(profile: str = "full", gpu: str | None = None, mfu: float | None = None,
+                   ids: list[str] | None = None, workers: int = MAX_WORKERS,
+                   limit_s: float = LIMIT_S) -> list[dict[str, Any]]:
+    """Each paper plans in its own process forked from this fresh, single-threaded one (`workers` at a time),
+    ended after `limit_s` seconds: a paper whose planning hangs in native code becomes a row saying so instead of
+    stalling the table. The papers that took longest last time (`reports/plan.json`) start first, so no long one
+    is left alone at the end."""
     ids = ids or registry.paper_ids()
     import torch  # noqa: F401 - imported once here, inherited by every forked planner
 
@@ -152,7 +193,7 @@ def table(plans: list[dict[str, Any]]) -> str:
     """Markdown: one row per paper (GPUs, GPU-hours, peak memory per rank, host memory for the data, fits), and
     how far the trace got: the phases traced, and where it stopped and why when train() did not return (then
     "fits" says "so far": the GPU-hours and peak cover the traced phases only)."""
-    rows = ["| paper | GPUs | GPU-hours | peak GiB/rank | data GiB/node | ZeRO | phases traced | fits |",
+    rows = ["| paper | GPUs needed | GPU-hours | peak GiB/rank | data GiB/node | ZeRO | phases traced | fits |",
             "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for p in plans:
         if "error" in p:
@@ -166,13 +207,15 @@ def table(plans: list[dict[str, Any]]) -> str:
         if p.get("replicas"):
             traced += " (" + ", ".join(f"{k} = {n} replicas traced as 1" for k, n in p["replicas"].items()) + ")"
         hours = (">= " if p.get("steps_lower_bound") else "") + _hours(p["gpu_hours"])
-        rows.append(f"| {p['paper']} | {p['ranks']} | {hours} | {_gib(p['peak_rank_bytes'])} | "
+        gpus = str(p["gpus_needed"]) + (f" (profile: {p['ranks']})" if p["gpus_needed"] != p["ranks"] else "")
+        rows.append(f"| {p['paper']} | {gpus} | {hours} | {_gib(p['peak_rank_bytes'])} | "
                     f"{_gib(p['data_bytes'])} | {p['zero_stage']} | {traced.replace('|', '/')} | {verdict} |")
     return "\n".join(rows)
 
 
 def phase_table(p: dict[str, Any]) -> str:
     """One paper's phases: what each rank holds and what the phase costs."""
+    from tasks import planning
     from tasks.planning import GIB
 
     lines = [f"plan {p['paper']} ({p['profile']}): {p['ranks']} x {p['gpu']}, ZeRO {p['zero_stage']}, "
@@ -188,6 +231,9 @@ def phase_table(p: dict[str, Any]) -> str:
                      f"{ph['flops_step'] / 1e12:11.4f} {ph['flops_total'] * p['ranks'] / 1e15:12.3f}")
     lines.append(f"peak per rank {_gib(p['peak_rank_bytes'])} GiB; {p['flops_total'] / 1e15:.2f} PFLOP; "
                  f"{_hours(p['gpu_hours'])} GPU-hours ({p['ranks']} GPUs: {p['gpu_hours'] / p['ranks']:.2f} h wall)")
+    if p["gpus_needed"] < p["ranks"]:
+        lines.append(f"needs {p['gpus_needed']} GPU(s): every phase fits a rank there and the job ends within "
+                     f"{planning.WALL_TARGET_H:g} h (`--set ranks={p['gpus_needed']}`; `--gpus` prints it)")
     lines += [f"phase {ph['name']}: {ph['kernel_launches']} Triton launches a step, skipped on fakes (their FLOPs are "
               "not counted)" for ph in p["phases"] if ph["kernel_launches"]]
     if p.get("steps_lower_bound"):
@@ -223,3 +269,22 @@ def write_report(plans: list[dict[str, Any]], path: Path | None = None) -> Path:
 
 def to_json(plans: list[dict[str, Any]] | dict[str, Any]) -> str:
     return json.dumps(plans, indent=1, default=float)
+
+
+def main() -> None:
+    """`python -m flows.plan <command>`: the planning process `_isolated` starts (JSON in, JSON out)."""
+    settings.configure_environment()
+    payload = json.loads(sys.stdin.read())
+    out = sys.stdout
+    sys.stdout = sys.stderr  # whatever the planner or a paper prints: stdout is the answer
+    try:
+        answer = _serve(sys.argv[1], payload)
+    except registry.ConfigError as e:
+        out.write(str(e))
+        sys.exit(2)
+    out.write(to_json(answer))
+    out.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,7 @@ DeepSpeed launcher: `tasks/` builds the contexts below and hands them in, so a p
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -92,4 +92,3 @@ class Paper:
     learns: bool = True  # False only where the spec says the paper has nothing to learn (train() then only computes)
     # torch threads while evaluate runs (models/common/threads.py says why one); None keeps the process default
     eval_threads: int | None = 1
-    notes: dict[str, str] = field(default_factory=dict)

@@ -77,6 +77,7 @@ HOST_RAM = 1024 * GIB  # per node
 GPUS_PER_NODE = 8
 HEADROOM = 0.9  # a rank must fit in this share of the GPU (CUDA context, allocator fragmentation, NCCL buffers)
 RETRY_WALL_S = 150  # wall seconds a forked trace may take (its CPU budget is BUDGET_S; a hung child spends none)
+WALL_TARGET_H = 24.0  # wall hours a full job may take on the GPUs it asks for (`Plan.gpus_needed`)
 BUDGET_S = 20.0  # CPU seconds per paper (a busy machine plans as far as an idle one); planning never trains
 
 
@@ -110,14 +111,23 @@ class Phase:
     kernel_launches: int = 0  # Triton launches in the step: skipped on fakes, their FLOPs not in flops_step
     inference_bytes: int = 0  # largest no-grad module call outside steps since the phase before (the last phase:
     # also after it), at the run's precision: what sampling or evaluation between phases allocates at once
+    ema: bool = False  # the engine keeps an EMA copy of its weights (fp32, on every rank)
     weights_bytes: int = 0
     grads_bytes: int = 0
     optimizer_bytes: int = 0
-    rank_bytes: int = 0  # weights + grads + optimizer + buffers + frozen weights + activations
+    rank_bytes: int = 0  # weights + grads + optimizer + EMA copy + buffers + frozen weights + activations
 
     @property
     def flops_total(self) -> float:
         return self.flops_step * self.steps  # per rank; x ranks for the job
+
+    def rank_bytes_at(self, ranks: int, stage: int, bf16: bool, traced_ranks: int | None = None) -> int:
+        """A rank's bytes when the job runs on `ranks` ranks: model states by DeepSpeed's accounting, and the
+        activations of the rank's slice of the global batch (traced at `traced_ranks`, linear in the slice)."""
+        weights, grads, optimizer = model_states(self.params, self.largest_layer, ranks, stage, bf16)
+        ema = 4 * self.params if self.ema else 0
+        activations = self.activation_bytes * (traced_ranks or ranks) / ranks
+        return int(weights + grads + optimizer + ema + self.buffers + self.frozen_bytes + activations)
 
     @property
     def peak_bytes(self) -> int:
@@ -175,6 +185,22 @@ class Plan:
     def nodes(self) -> int:
         return max(1, math.ceil(self.ranks / GPUS_PER_NODE))
 
+    @property
+    def gpus_needed(self) -> int:
+        """The fewest GPUs (a power of two, at most the profile's ranks) on which every traced phase fits a rank
+        and the job ends within `WALL_TARGET_H` at the plan's MFU: what the job should ask for. The profile's
+        global batch is split over fewer ranks, so each rank holds more of its activations."""
+        limit = GPUS[self.gpu].memory * HEADROOM
+        n = 1
+        while n < self.ranks:
+            fits = all(ph.rank_bytes_at(n, self.zero_stage, self.bf16, traced_ranks=self.ranks)
+                       + max(0, ph.inference_bytes - ph.activation_bytes * self.ranks / n) <= limit
+                       for ph in self.phases)
+            if fits and self.gpu_hours / n <= WALL_TARGET_H:
+                return n
+            n *= 2
+        return self.ranks
+
     def problems(self) -> list[str]:
         """Each reason the profile would not run, naming the phase and the number; [] when it fits."""
         limit = GPUS[self.gpu].memory * HEADROOM
@@ -204,13 +230,15 @@ class Plan:
         for ph, raw in zip(self.phases, d["phases"], strict=True):
             raw["flops_total"], raw["peak_bytes"] = ph.flops_total, ph.peak_bytes
         d.update(peak_rank_bytes=self.peak_rank_bytes, flops_total=self.flops_total, gpu_hours=self.gpu_hours,
-                 nodes=self.nodes, fits=self.fits, complete=self.complete, problems=self.problems(),
+                 nodes=self.nodes, gpus_needed=self.gpus_needed, fits=self.fits, complete=self.complete,
+                 problems=self.problems(),
                  traced_as=self.traced_as, steps_lower_bound=self.steps_lower_bound)
         return d
 
     def metrics(self) -> dict[str, float]:
         """The `plan/*` numbers a full run logs, to be held against what the run measured."""
-        out = {"plan/ranks": float(self.ranks), "plan/gpu_hours": self.gpu_hours, "plan/flops_total": self.flops_total,
+        out = {"plan/ranks": float(self.ranks), "plan/gpus_needed": float(self.gpus_needed),
+               "plan/gpu_hours": self.gpu_hours, "plan/flops_total": self.flops_total,
                "plan/peak_rank_gib": self.peak_rank_bytes / GIB, "plan/data_gib": self.data_bytes / GIB,
                "plan/mfu": self.mfu, "plan/fits": float(self.fits), "plan/complete": float(self.complete),
                "plan/phases": float(len(self.phases))}
@@ -262,6 +290,7 @@ class _Engine:
 
     def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float):
         self.module = model
+        self.ema = False
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
 
     def __call__(self, *args, **kwargs):
@@ -294,8 +323,14 @@ class PlanContext:
     inference_bytes: int = 0  # largest no-grad module call outside steps since the last phase (fp32 as traced)
     measuring: bool = False  # inside such a call, whose counter sees the ops of the calls nested in it
 
-    def engine(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0) -> _Engine:
-        return _Engine(model, lr, weight_decay)
+    def engine(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0, *, grad_clip: float | None = None,
+               arms: Any = None, steps: int | None = None, warmup: int = 0, decay: str = "constant",
+               ema: float | None = None) -> _Engine:
+        """The training engine's signature (tasks.context.TrainContext.engine); clipping, arms and the schedule
+        cost no memory, an EMA copy of the weights does (`Phase.ema`)."""
+        engine = _Engine(model, lr, weight_decay)
+        engine.ema = ema is not None
+        return engine
 
     def fit(self, name: str, engine: _Engine, step_fn: Callable, batch_fn: Callable[[int], Mapping[str, Any]],
             num_steps: int, state: dict | None = None, log_every: int = 10) -> None:
@@ -353,7 +388,7 @@ class PlanContext:
             batch={k: list(v.shape) for k, v in local.items() if isinstance(v, torch.Tensor)},
             flops_step=float(step.flops), frozen_bytes=frozen_weight_bytes(model, step_fn, self.params),
             kernel_launches=self.kernel_launches - launches, inference_bytes=self.take_inference_bytes(),
-            activation_bytes=int(transient * scale), saved_bytes=int(saved * scale)))
+            activation_bytes=int(transient * scale), saved_bytes=int(saved * scale), ema=engine.ema))
         self._traced[key] = self.phases[-1]
         engine.step()
 
@@ -979,8 +1014,7 @@ def plan(paper_id: str, raw: Mapping[str, Any], test_raw: Mapping[str, Any], *, 
         ph.saved_bytes *= scale
         ph.weights_bytes, ph.grads_bytes, ph.optimizer_bytes = model_states(
             ph.params, ph.largest_layer, params.ranks, params.zero_stage, params.bf16)
-        ph.rank_bytes = (ph.weights_bytes + ph.grads_bytes + ph.optimizer_bytes + ph.buffers + ph.frozen_bytes
-                         + ph.activation_bytes)
+        ph.rank_bytes = ph.rank_bytes_at(params.ranks, params.zero_stage, params.bf16)
     result.phases = phases
     result.seconds = time.monotonic() - t0
     return result
