@@ -153,3 +153,16 @@ def test_premise_metrics_read_recognisability_and_logo_class_agreement():
     assert m["detail/logo_matches_class"] == 0.75 and np.isclose(m["detail/chance_top1"], 1 / 3)
     flat = guda.premise_metrics(lambda x: torch.zeros(len(x), 3), gen, d, logo, 3)  # uniform: nothing recognisable
     assert flat["detail/generated_recognisable"] == 0.0
+
+
+def test_scoring_timesteps_are_one_grid_for_every_replicate(tmp_path):
+    t = guda.score_timesteps(200, 16)
+    assert t[0] == 11 and t[-1] == 188 and np.all(np.diff(t) > 0) and len(t) == 16
+    drawn = []
+    for seed in (0, 1):
+        out = tmp_path / str(seed)
+        out.mkdir()
+        p = guda.Params(n_groups=2, per_group=3, score_pairs=8, seed=seed)
+        guda.prepare(p, out)
+        drawn.append(guda._load(out, p))
+    assert torch.equal(drawn[0]["t"], drawn[1]["t"]) and not torch.equal(drawn[0]["eps"], drawn[1]["eps"])
