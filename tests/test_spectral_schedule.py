@@ -81,7 +81,7 @@ def _arms(arms=("tight", "edm", "edm_cond")):
     import torch
 
     torch.manual_seed(0)
-    p = ss.Params(arms=list(arms), channels=(4,), n_samples=4, nfe=[3, 5, 9], digits_control=False)
+    p = ss.Params(arms=list(arms), channels=(4,), n_samples=4, nfe=[3, 5, 9, 17], digits_control=False)
     return ss.Arms(p, 1, 0.5, np.zeros(2), np.ones(2), (0.01, 5.0)), p
 
 
