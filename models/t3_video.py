@@ -24,7 +24,8 @@ What it implements (function names in brackets):
   [FrameNet, VideoNet]; speed: wall-clock per denoiser forward, T3 vs full, on a larger timing grid (weights reused,
   `timing_repeats` interleaved pairs whose ratios are the timed claim part's samples, measured once per run and
   cached beside the checkpoint so evaluate stays deterministic) [denoiser_timing]; class consistency of the
-  pretrained DiT itself (its low-resolution samples upsampled: the cascade's videos) as a premise;
+  pretrained DiT itself (its low-resolution samples upsampled: the cascade's videos) against real low-resolution
+  videos upsampled the same way, as a premise;
   attention FLOPs per layer counted analytically for a 2176x3840, 16-frame grid (VAE stride 8, patch 2) [flops].
 
 Deviations from the paper (choices the abstract left open):
@@ -61,7 +62,7 @@ from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
 
 CLASSES = ("circle", "square", "triangle", "cross")
-PRETRAINED_FRACTION = 0.75  # premise: the pretrained DiT's class consistency, as a share of the real videos'
+PRETRAINED_FRACTION = 0.75  # premise: the pretrained DiT's class consistency over upsampled real low-res videos'
 GRID_4K = (16, 2176 // 16, 3840 // 16)  # frames, 4K height / (VAE stride 8 * patch 2), width / 16
 
 
@@ -454,6 +455,13 @@ def denoiser_timing(model: DiT, p: Params) -> dict[str, list[float]]:
     return out
 
 
+def upsample(videos: torch.Tensor) -> torch.Tensor:
+    """(V, F, 3, S, S) -> (V, F, 3, 2S, 2S): the cascade's bicubic 2x upsampling, clamped to the pixel range."""
+    v, f = videos.shape[:2]
+    return F.interpolate(videos.flatten(0, 1), scale_factor=2, mode="bicubic",
+                         align_corners=False).clamp(-1, 1).unflatten(0, (v, f))
+
+
 @torch.no_grad()
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
@@ -472,8 +480,7 @@ def evaluate(ctx) -> dict[str, float]:
     for arm, mode in RETROFITS.items():
         gen[arm] = sample(retro.arms[arm], c, f, size, p, mode, p.seed + 1)
     low = sample(pre.dit, c, f, p.size_low, p, "full", p.seed + 1)
-    gen["cascade"] = F.interpolate(low.flatten(0, 1), scale_factor=2, mode="bicubic",
-                                   align_corners=False).clamp(-1, 1).unflatten(0, (len(c), f))
+    gen["cascade"] = upsample(low)
     m: dict[str, float] = {}
     grid = (f, size // p.patch, size // p.patch)
     for arm, v in gen.items():
@@ -484,8 +491,11 @@ def evaluate(ctx) -> dict[str, float]:
         ratio = sum(flops(grid, p, "full")) / sum(flops(grid, p, mode))
         m[prefix + "flops_speedup"] = ratio if arm != "cascade" else 4.0 ** 2  # cascade: attention at N/4 tokens
     m["detail/pretrained/vtc"] = m["baseline/cascade/vtc"]  # the pretrained DiT's own videos, upsampled
-    m["detail/real_vtc"] = float((pre.video(real).argmax(-1) == cls[torch.from_numpy(split == "test")])
-                                 .float().mean())
+    test_cls = cls[torch.from_numpy(split == "test")]
+    m["detail/real_vtc"] = float((pre.video(real).argmax(-1) == test_cls).float().mean())
+    # the reference the cascade's videos can reach at best: real low-resolution test videos, upsampled the same way
+    real_low = load_videos(ctx.data_dir, "videos_low")[0][torch.from_numpy(split == "test")]
+    m["detail/real_low_upsampled_vtc"] = float((pre.video(upsample(real_low)).argmax(-1) == test_cls).float().mean())
     # wall clock: measured once per run and kept beside its checkpoint (re-evaluating gives the same numbers)
     cache = ctx.out_dir / "timing.json"
     if not cache.exists():
@@ -564,9 +574,10 @@ PAPER = Paper(
     primary=("method/fd", "min"),
     claim=Claim(
         premises=(  # the judges recognise real videos, and the pretrained DiT makes class-consistent videos (its
-            # low-resolution samples, upsampled, judged by the video classifier) at >= 3/4 of the real videos' rate
+            # low-resolution samples, upsampled, judged by the video classifier) at >= 3/4 of the rate of real
+            # low-resolution videos upsampled the same way (the best an upsampled video can do before this judge)
             Compare("detail/real_vtc", ">=", 0.8, name="video_classifier_recognises_real"),
-            Compare("detail/pretrained/vtc", ">=", "detail/real_vtc", scale=PRETRAINED_FRACTION,
+            Compare("detail/pretrained/vtc", ">=", "detail/real_low_upsampled_vtc", scale=PRETRAINED_FRACTION,
                     name="pretrained_dit_class_consistent"),
         ),
         all_of=(
