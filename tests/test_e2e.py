@@ -33,6 +33,7 @@ def test_sei_smoke_pipeline_tracks_reuses_and_versions_overrides(workspace, pref
     # two replicates instead of the profile's three keep this test's time down; still the default run
     params = yaml.safe_load((workspace / "params.yaml").read_text())
     params["papers"]["sei"]["smoke"]["replicates"] = 2
+    params["papers"]["sei"]["smoke"]["ranks"] = 2  # smoke trains on 1 rank; this test keeps DeepSpeed's 2 in use
     (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     # the stage the flow runs is the one `dvc repro` runs from the shell
     subprocess.run([sys.executable, "-m", "dvc", "repro", "prepare@sei"], cwd=workspace, check=True,
