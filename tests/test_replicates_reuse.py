@@ -1,0 +1,149 @@
+"""Stored replicates through the real pipeline (Prefect, DVC, DeepSpeed, MLflow) on opo_cmdp's test profile (a
+timed part, so its evaluations take the quiet lock): more replicates train only the missing ones, a changed claim
+decides again from the stored metrics without training, and a premises-only run shows the premises alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from flows.cli import app
+from flows.report import latest_run
+from models import registry
+from tasks import keys, tracking
+
+pytestmark = pytest.mark.e2e
+PAPER = "opo_cmdp"
+
+
+def _children(exp_id: str) -> list:
+    return tracking.client().search_runs([exp_id], "tags.`paperline.kind` = 'replicate'")
+
+
+@pytest.fixture
+def counted_training(monkeypatch):
+    """Every DeepSpeed job the pipeline starts, by seed."""
+    import flows.pipeline
+
+    seeds: list[int] = []
+    real = flows.pipeline.train_task
+
+    class Counting:
+        def with_options(self, **options):
+            task = real.with_options(**options)
+
+            def run(job):
+                seeds.append(job.params.seed)
+                return task(job)
+
+            return run
+
+    monkeypatch.setattr(flows.pipeline, "train_task", Counting())
+    return seeds
+
+
+def test_more_replicates_train_only_the_missing_ones_and_a_claim_edit_trains_nothing(
+        workspace, prefect_harness, monkeypatch, counted_training, tmp_path):
+    from flows.pipeline import paper_pipeline
+
+    monkeypatch.setenv("PAPERLINE_QUIET_LOCK", str(tmp_path / "quiet"))
+    first = paper_pipeline(PAPER, "test", {"replicates": 2})
+    assert counted_training == [0, 1] and first["trained"] == 2 and first["replicates"] == 2
+    exp_id = tracking.client().get_run(first["run_id"]).info.experiment_id
+    children = {c.data.tags["paperline.seed"]: c.info.run_id for c in _children(exp_id)}
+    timed = tracking.client().get_run(children["0"]).data.metrics
+    assert "timing/load_1m" in timed and timed["timing/quiet_wait_s"] >= 0  # the load the timings were taken at
+
+    t0 = time.perf_counter()
+    extended = paper_pipeline(PAPER, "test", {"replicates": 4})
+    extend_s = time.perf_counter() - t0
+    assert counted_training == [0, 1, 2, 3], "exactly the two missing replicates train (seeds seed+2, seed+3)"
+    assert extended["trained"] == 2 and extended["replicates"] == 4 and "over 4 replicates" in extended["claim_numbers"]
+    tags = tracking.client().get_run(extended["run_id"]).data.tags
+    assert tags["paperline.lineage"] == "extended" and tags["paperline.trained_replicates"] == "2,3"
+    assert tags["paperline.stored_replicates"] == f"0:{children['0']},1:{children['1']}"
+    assert tags["paperline.stored_from"] == first["run_id"]
+    assert tags["paperline.replicate_runs"].split(",")[:2] == [children["0"], children["1"]]
+    assert len(_children(exp_id)) == 4  # no replicate run twice
+
+    # the claim changes (a margin) and with it the verdict key: decided again from the stored metrics, no training
+    paper = registry.get(PAPER)
+    parts = list(paper.claim.all_of)
+    parts[0] = dataclasses.replace(parts[0], margin=-1e6)  # regret below the best baseline's plus a million
+    edited = dataclasses.replace(paper, claim=dataclasses.replace(paper.claim, all_of=tuple(parts)))
+    real_get, real_verdict_hash = registry.get, keys.verdict_hash
+    monkeypatch.setattr(registry, "get", lambda pid: edited if pid == PAPER else real_get(pid))
+    monkeypatch.setattr(keys, "verdict_hash", lambda f: real_verdict_hash(f) + "-edited")
+    t0 = time.perf_counter()
+    again = paper_pipeline(PAPER, "test", {"replicates": 4})
+    redecide_s = time.perf_counter() - t0
+    assert counted_training == [0, 1, 2, 3] and again["trained"] == 0 and not again["reused"]
+    stored = [tracking.client().get_run(i) for i in tags["paperline.replicate_runs"].split(",")]
+    from tasks import settings
+    from tasks.steps import recorded_metrics
+
+    expected = edited.claim.decide([recorded_metrics(r, settings.runs_dir() / PAPER / r.info.run_id) for r in stored])
+    assert again["verdict"] == expected.verdict and again["claim_numbers"] == expected.numbers
+    assert "- -1e+06" in again["claim_text"] and expected.parts[1].verdict == "holds"  # the edited margin decides
+    redecided = tracking.client().get_run(again["run_id"]).data.tags
+    assert redecided["paperline.lineage"] == "re-decided" and redecided["paperline.trained_replicates"] == ""
+    assert redecided["paperline.replicate_runs"] == tags["paperline.replicate_runs"]  # the same child runs
+    assert len(_children(exp_id)) == 4
+    print(f"\nextend 2 -> 4 replicates: {extend_s:.1f} s; re-decide after a claim edit: {redecide_s:.1f} s")
+
+
+def test_premises_only_shows_premises_and_never_becomes_a_row(workspace, prefect_harness, monkeypatch, tmp_path,
+                                                              counted_training):
+    monkeypatch.setenv("PAPERLINE_QUIET_LOCK", str(tmp_path / "quiet"))
+    result = CliRunner().invoke(app, ["run", PAPER, "--profile", "test", "--set", "replicates=2", "--premises-only"])
+    assert result.exit_code == 0, result.output
+    print("\n" + result.output)
+    assert f"premises {PAPER}: opo_learns: method/late_over_early_regret <= 0.5 ->" in result.output
+    assert "premise opo_learns: method/late_over_early_regret - 0.5 =" in result.output
+    for part in registry.get(PAPER).claim.all_of:  # no deciding part is printed
+        assert part.left not in result.output
+    assert f"claim {PAPER}:" not in result.output and counted_training == [0, 1]
+    exp_id = tracking.client().get_experiment_by_name(f"paperline/{PAPER}").experiment_id
+    parent = tracking.client().search_runs([exp_id], "tags.`paperline.kind` = 'pipeline'")[0]
+    tags, metrics = parent.data.tags, parent.data.metrics
+    assert tags["paperline.premises_only"] == "true" and tags["premises.verdict"] and not tags["paperline.claim.spec"]
+    assert not [k for k in tags if k.startswith("claim.")] and not [k for k in metrics if k.startswith("claim/")]
+    assert set(metrics) <= {"method/late_over_early_regret", "timing/load_1m"} | \
+        {k for k in metrics if k.startswith(("stats/", "premises/", "time/"))}
+    assert not any(part.left in k for k in metrics for part in registry.get(PAPER).claim.all_of)
+    assert latest_run(PAPER, "test") is None  # never a scoreboard row ...
+    assert "paperline.model_version" not in tags  # ... nor a model version, so never a champion
+    # the full run afterwards decides from the same replicates: nothing trains
+    full = CliRunner().invoke(app, ["run", PAPER, "--profile", "test", "--set", "replicates=2"])
+    assert full.exit_code == 0, full.output
+    assert counted_training == [0, 1] and f"claim {PAPER}:" in full.output
+    assert latest_run(PAPER, "test") is not None
+
+
+def test_default_run_ignores_replicates_and_timed_claims_are_known():
+    assert registry.is_default_run("smoke", {"replicates": 5}) and not registry.is_default_run("smoke", {"seed": 1})
+    assert registry.get(PAPER).claim.timed and not registry.get("sei").claim.timed
+
+
+def test_training_key_follows_what_training_imports_and_not_the_claim():
+    paper_file = registry.module_file("token_sparse_attention")
+    files = {f.relative_to(keys.PACKAGE_ROOT).as_posix() for f in keys.training_files(paper_file)}
+    assert {"models/token_sparse_attention.py", "kernels/token_sparse.py", "tasks/worker.py", "tasks/context.py",
+            "tasks/steps.py", "models/contract.py", "models/inputs.py"} <= files
+    assert not files & {"models/verdicts.py", "tasks/planning.py", "tasks/tracking.py", "tasks/replicates.py",
+                        "models/sei.py"}
+    assert not any(f.startswith("flows/") for f in files)
+    sei = {f.relative_to(keys.PACKAGE_ROOT).as_posix() for f in keys.training_files(registry.module_file("sei"))}
+    assert "kernels/token_sparse.py" not in sei  # only what the paper imports from kernels/ and models/common
+
+    source = registry.module_file(PAPER).read_text()
+    module, claim = keys.split_claim(source)
+    assert claim.startswith("Claim(premises=(") and "timed=True" in claim and "Claim(...)" in module
+    assert "def evaluate(" in module and "baseline/layerwise/episode_ms\", timed=True" not in module
+    edited_claim = source.replace('"<=", 0.5, name="opo_learns"', '"<=", 0.4, name="opo_learns"')
+    edited_code = source.replace("def evaluate(", "def evaluate(  ", 1)
+    assert keys.split_claim(edited_claim)[0] == module and keys.split_claim(edited_claim)[1] != claim
+    assert keys.split_claim(edited_code)[0] != module and keys.split_claim(edited_code)[1] == claim
