@@ -138,3 +138,57 @@ def test_training_key_follows_what_training_imports_and_not_the_claim():
     edited_code = source.replace("def evaluate(", "def evaluate(  ", 1)
     assert keys.split_claim(edited_claim)[0] == module and keys.split_claim(edited_claim)[1] != claim
     assert keys.split_claim(edited_code)[0] != module and keys.split_claim(edited_code)[1] == claim
+
+
+def test_quiet_timing_waits_for_running_work_and_holds_new_work_off(tmp_path, monkeypatch):
+    import threading
+
+    from tasks import quiet
+
+    monkeypatch.setenv("PAPERLINE_QUIET_LOCK", str(tmp_path / "quiet"))
+    events: list[str] = []
+    training = threading.Event()
+    release = threading.Event()
+
+    def train():
+        with quiet.busy():
+            training.set()
+            release.wait(5)
+            events.append("training ends")
+
+    def timed():
+        with quiet.quiet() as waited:
+            events.append("timing starts")
+            time.sleep(0.2)
+            events.append(f"timing ends after waiting {waited[quiet.WAIT_METRIC] > 0.1}")
+
+    def later_training():
+        with quiet.busy():
+            events.append("later training starts")
+
+    first = threading.Thread(target=train)
+    first.start()
+    training.wait(5)
+    timer = threading.Thread(target=timed)
+    timer.start()
+    time.sleep(0.2)  # the timer now holds the gate and waits for the training that runs
+    later = threading.Thread(target=later_training)
+    later.start()
+    time.sleep(0.2)
+    assert events == []  # neither the timing nor the later training started while the first trains
+    release.set()
+    for t in (first, timer, later):
+        t.join(5)
+    assert events == ["training ends", "timing starts", "timing ends after waiting True", "later training starts"]
+
+
+def test_scoreboard_header_names_stale_rows_and_papers_not_run_here():
+    from flows.report import NOT_RUN, Row, commit_summary
+
+    rows = [Row("a", "", "", "", "holds", "", "r1", "smoke", commit="c" * 40),
+            Row("b", "", "", "", "inconclusive", "", "r2", "smoke", commit="d" * 40),
+            Row("c", "", "", "", NOT_RUN, "", "", "smoke")]
+    assert commit_summary(rows, "c" * 40) == \
+        f"1 of 2 rows from the current commit `{'c' * 12}`; stale: b (`{'d' * 12}`)."
+    assert commit_summary(rows[:1], "c" * 40).endswith("rows from the current commit `cccccccccccc`.")
+    assert NOT_RUN == "not run here"
