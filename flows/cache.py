@@ -29,18 +29,23 @@ class PipelineResult:
     replicates: int
     data_hash: str       # the replicates' data hashes, comma-separated
     seconds: float
+    premises_only: bool = False  # the verdict and numbers are the premises' alone (`--premises-only`)
+    trained: int = 0     # replicates this run trained (the others were stored, or the run was reused)
 
     def claim_line(self) -> str:
         head = self.verdict + (f": {self.reason}" if self.reason else "")
         body = "\n".join(f"  {line}" for line in self.claim_numbers.splitlines())
-        return f"claim {self.paper}: {self.claim_text} -> {head}\n{body}"
+        return f"{'premises' if self.premises_only else 'claim'} {self.paper}: {self.claim_text} -> {head}\n{body}"
 
     @classmethod
     def reused_run(cls, run, paper: str, profile: str, data_hash: str, start: float) -> PipelineResult:
         tags = run.data.tags
-        return cls(paper, profile, run.info.run_id, True, verdict_of(run), tags.get("claim.text", ""),
-                   tags.get("claim.numbers", ""), tags.get("claim.reason", ""),
-                   int(tags.get("claim.replicates", "1") or 1), data_hash, time.perf_counter() - start)
+        premises = tags.get("paperline.premises_only") == "true"
+        prefix = "premises" if premises else "claim"
+        return cls(paper, profile, run.info.run_id, True, tags.get("premises.verdict", "") if premises else
+                   verdict_of(run), tags.get(f"{prefix}.text", ""), tags.get(f"{prefix}.numbers", ""),
+                   tags.get(f"{prefix}.reason", ""), int(tags.get(f"{prefix}.replicates", "1") or 1), data_hash,
+                   time.perf_counter() - start, premises)
 
 
 def verdict_of(run) -> str:

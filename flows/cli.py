@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Annotated
 
@@ -62,6 +62,10 @@ def run(
     nodes: Annotated[int, typer.Option(help="Split each job's ranks over N launchers on this machine, one "
                                             "rendezvous (multi-node, as on N machines).")] = 1,
     parallel: Annotated[int, typer.Option(help="Papers run side by side (several papers only).")] = 1,
+    premises_only: Annotated[bool, typer.Option("--premises-only", help="Show and record only the premises "
+                                                "(numbers and decisions), blind to the claim: for sizing a "
+                                                "profile. Such a run never becomes a champion or a scoreboard "
+                                                "row.")] = False,
 ) -> None:
     """Run paper pipelines (prepare -> train -> evaluate -> claim); each ends with its claim line."""
     ids = registry.paper_ids() if all_papers else list(papers or [])
@@ -71,8 +75,9 @@ def run(
         _fail(f"--parallel: must be at least 1, got {parallel}")
     try:
         overrides = registry.parse_overrides(set_)
-        if overrides and len(ids) > 1:
-            raise registry.ConfigError("--set applies to one paper at a time")
+        if set(overrides) - set(registry.SUITE_OVERRIDES) and len(ids) > 1:
+            raise registry.ConfigError("--set applies to one paper at a time (except "
+                                       f"{', '.join(registry.SUITE_OVERRIDES)}, which every paper takes)")
         if hostfile:
             from tasks.train import read_hostfile
 
@@ -83,10 +88,12 @@ def run(
         if tracking.store_exists():  # a server, or the embedded store (whose first use creates it)
             tracking.check_reachable()
         # unchanged work answers from MLflow at once, before Prefect starts or any paper is imported
-        reused = {} if force else lookup(ids, profile, overrides)
+        reused = {} if force or premises_only else lookup(ids, profile, overrides)
         todo = [pid for pid in ids if pid not in reused]
         # every run resolved once (values checked, real inputs present) before any work; handed down as is
         requests = [registry.request(pid, profile, overrides, settings.params_file()) for pid in todo]
+        if premises_only:
+            requests = [replace(r, premises_only=True) for r in requests]
         if nodes != 1:  # multi-node on this machine (tasks.train.launch reads PAPERLINE_NODES)
             from tasks.train import check_nodes
 

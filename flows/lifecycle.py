@@ -10,8 +10,9 @@ Each version carries the run's lineage (profile, data hash, code commit) and the
 A champion per profile: aliases `champion-<profile>` and `challenger-<profile>` (test, smoke, full), so a
 test-profile run (plumbing only) never takes a real profile's champion. Promotion rule (`decide`), within a profile:
 - no champion yet -> champion;
-- the champion was evaluated on other data (another data hash or profile) -> challenger: the primary metrics are
-  not comparable, a person decides (`paperline promote <id> <version>`);
+- the champion was evaluated on other data (another profile, or replicates' data hashes that are not the same
+  worlds, `same_worlds`) -> challenger: the primary metrics are not comparable, a person decides
+  (`paperline promote <id> <version>`);
 - the primary metric (`Paper.primary`, with its direction) at least as good as the champion's -> champion;
 - otherwise challenger. The reason is written on the version (`promotion.reason`).
 """
@@ -52,7 +53,7 @@ def decide(primary: tuple[str, str], new: dict, champion: dict | None) -> Decisi
     metric, direction = primary
     if champion is None:
         return Decision(CHAMPION, "first version of this paper")
-    if (new["data_hash"], new["profile"]) != (champion["data_hash"], champion["profile"]):
+    if new["profile"] != champion["profile"] or not same_worlds(new["data_hash"], champion["data_hash"]):
         return Decision(CHALLENGER, f"champion v{champion['version']} was evaluated on other data "
                                     f"({champion['profile']} {champion['data_hash'][:12]} vs {new['profile']} "
                                     f"{new['data_hash'][:12]}): not comparable, promote by hand if intended")
@@ -62,6 +63,14 @@ def decide(primary: tuple[str, str], new: dict, champion: dict | None) -> Decisi
         return Decision(CHAMPION, f"{metric} {a:.6g} vs champion v{champion['version']} {b:.6g} ({direction}): "
                                   "at least as good")
     return Decision(CHALLENGER, f"{metric} {a:.6g} vs champion v{champion['version']} {b:.6g} ({direction}): worse")
+
+
+def same_worlds(a: str, b: str) -> bool:
+    """Whether two runs' data hashes (one per replicate, comma-separated) are the same worlds: a run with more
+    replicates (`--set replicates=5`) shares the first ones with the run it extends, so their primary metrics
+    compare; any other difference is other data."""
+    short, long = sorted((a.split(","), b.split(",")), key=len)
+    return long[: len(short)] == short
 
 
 def champion(paper_id: str, profile: str = DEFAULT_PROFILE) -> dict | None:

@@ -26,7 +26,7 @@ from flows import lifecycle, morning  # noqa: E402
 from flows.cache import PipelineResult  # noqa: E402
 from models import registry  # noqa: E402
 from models.registry import RunRequest  # noqa: E402
-from tasks import settings, tracking, train  # noqa: E402
+from tasks import quiet, settings, tracking, train  # noqa: E402
 from tasks.context import send_pending  # noqa: E402
 from tasks.steps import conclude, evaluate_task, prepare_task, recorded_metrics, train_task  # noqa: E402
 from tasks.train import TrainJob  # noqa: E402
@@ -91,6 +91,8 @@ def _run(request: RunRequest, force: bool, start: float) -> dict:
     exp_id = tracking.experiment_id(paper)
     tracking.mark_orphans_killed(exp_id)
     key = tracking.run_key(paper, profile, request.raw, data_hash)
+    if request.premises_only:  # its own result: a premises-only run never answers for a full one, nor back
+        key = f"premises-{key}"
     cached = None if force else tracking.find_cached(exp_id, key)
     if cached is not None:
         result = PipelineResult.reused_run(cached, paper, profile, data_hash, start)
@@ -100,21 +102,30 @@ def _run(request: RunRequest, force: bool, start: float) -> dict:
         return asdict(result)
 
     client = tracking.client()
+    stored = {} if force else stored_replicates(request, prepared, exp_id)
+    if len(stored) == count:  # nothing to train: the prestarted ranks are not needed
+        train.cancel_prestarted(paper)
     run_id = _open_run(request, exp_id, key, data_hash, prepared, force)
+    _tag_lineage(run_id, request, stored)
     try:
         with ThreadPoolExecutor(1, thread_name_prefix=f"evaluate-{paper}") as evaluator:
-            pending = [_replicate(spec, request, i, prepared[i], run_id, exp_id, evaluator) for i in range(count)]
+            pending = [_replicate(spec, request, i, prepared[i], run_id, exp_id, evaluator, stored.get(i),
+                                  trains_later=any(j not in stored for j in range(i + 1, count)))
+                       for i in range(count)]
             done = [future.result() for future in pending]
+        client.set_tag(run_id, "paperline.replicate_runs", ",".join(d.run_id for d in done))
         t_conclude = time.perf_counter()
         runs = settings.runs_dir() / paper
-        claim = conclude(spec, run_id, [d.metrics for d in done], runs / run_id, runs / done[0].run_id)
+        claim = conclude(spec, run_id, [d.metrics for d in done], runs / run_id, runs / done[0].run_id,
+                         request.premises_only)
         now = time.perf_counter()
         for name, seconds in (("prepare", sum(p.seconds for p in prepared)),
                               ("replicates", sum(d.seconds for d in done)), ("conclude", now - t_conclude),
                               ("total", now - start)):
             client.log_metric(run_id, f"time/{name}_s", seconds, step=0)
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
-        promote_task(paper, run_id)
+        if not request.premises_only:  # a premises-only run never becomes a model version, let alone champion
+            promote_task(paper, run_id)
     except BaseException:
         try:
             client.set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
@@ -123,7 +134,8 @@ def _run(request: RunRequest, force: bool, start: float) -> dict:
                  f"{settings.runs_dir() / paper}, a rerun continues from them")
         raise
     result = PipelineResult(paper, profile, run_id, False, claim.verdict, claim.text, claim.numbers, claim.reason,
-                            claim.replicates, data_hash, time.perf_counter() - start)
+                            claim.replicates, data_hash, time.perf_counter() - start, request.premises_only,
+                            count - len(stored))
     try:
         get_run_logger().info("claim %s: %s", paper, claim.headline())
     except Exception:  # noqa: BLE001 - logging outside a run context is optional
@@ -164,7 +176,8 @@ def _open_run(request: RunRequest, exp_id: str, key: str, data_hash: str, prepar
     run_id = client.create_run(exp_id, run_name=f"{paper}-{profile}", tags=tags).info.run_id
     resolved = request.params.model_dump(mode="json")
     client.log_batch(run_id, params=[Param(k, v[:6000]) for k, v in tracking.flatten(resolved).items()],
-                     tags=[RunTag("paperline.claim.spec", registry.get(paper).claim.text()[:5000]),
+                     tags=[RunTag("paperline.claim.spec", "" if request.premises_only else  # blind to the claim
+                                  registry.get(paper).claim.text()[:5000]),
                            RunTag("paperline.code_ref", tracking.pin_code(run_id))])
     # the lineage `paperline reproduce` replays: the params as given, exactly (MLflow params are strings)
     client.log_dict(run_id, {"paper": paper, "profile": profile, "overrides": request.overrides,
@@ -195,17 +208,23 @@ class ReplicateDone:
 
 
 def _replicate(spec, request: RunRequest, index: int, prepared, parent_id: str, exp_id: str,
-               evaluator: ThreadPoolExecutor) -> Future[ReplicateDone]:
+               evaluator: ThreadPoolExecutor, stored=None, trains_later: bool = True) -> Future[ReplicateDone]:
     """Replicate `index` as a child run of the pipeline's run: kept when it finished, continued from its
-    checkpoints when it was killed, otherwise trained; its evaluation goes to `evaluator` (one thread), so it runs
-    while the next replicate trains."""
+    checkpoints when it was killed, its stored metrics reused when another pipeline run trained exactly it
+    (`stored`), otherwise trained; its evaluation goes to `evaluator` (one thread), so it runs while the next
+    replicate trains, except where the paper's timed parts need a quiet machine (tasks/quiet.py)."""
     paper, client = request.paper, tracking.client()
     rep = request.replicate(index)
     label = f"{paper} r{index}"
-    key = tracking.run_key(paper, request.profile, rep.raw, prepared.data_hash)
+    key = tracking.training_key(paper, request.profile, rep.raw, prepared.data_hash)
     earlier = tracking.find_replicate(exp_id, parent_id, index, key)
-    if earlier is not None and earlier.info.status == "FINISHED":
+    if earlier is None and stored is not None:
+        earlier = stored
+        _say(f"[{label}] trained earlier with this code, params, data and seed (run {stored.info.run_id}): "
+             "its stored metrics are reused")
+    elif earlier is not None and earlier.info.status == "FINISHED":
         _say(f"[{label}] finished earlier in this run: kept")
+    if earlier is not None and earlier.info.status == "FINISHED":
         kept: Future[ReplicateDone] = Future()
         kept.set_result(ReplicateDone(earlier.info.run_id, recorded_metrics(
             earlier, settings.runs_dir() / paper / earlier.info.run_id), 0.0))
@@ -218,6 +237,7 @@ def _replicate(spec, request: RunRequest, index: int, prepared, parent_id: str, 
     else:
         tags = {"mlflow.parentRunId": parent_id, "paperline.kind": "replicate", "paperline.replicate": str(index),
                 "paperline.paper": paper, "paperline.profile": request.profile, "paperline.cache_key": key,
+                "paperline.training_key": key,
                 "paperline.data_hash": prepared.data_hash, "paperline.data_stage": prepared.stage.target,
                 "paperline.seed": str(rep.params.seed), "paperline.pid": str(os.getpid()),
                 "mlflow.runName": f"{paper}-{request.profile}-r{index}"}
@@ -229,9 +249,12 @@ def _replicate(spec, request: RunRequest, index: int, prepared, parent_id: str, 
         _say(f"[{label}] train: {rep.params.ranks} DeepSpeed rank(s), seed {rep.params.seed}, MLflow run {child_id}")
         job = TrainJob(paper, rep.params, prepared.stage.out_dir, out_dir, child_id, settings.tracking_uri())
         t_train = time.perf_counter()
-        train_task.with_options(task_run_name=f"train {label}")(job)
+        with quiet.busy():  # a timing elsewhere waits for it
+            train_task.with_options(task_run_name=f"train {label}")(job)
         trained_s = time.perf_counter() - t_train
-        if index + 1 < request.replicates:
+        if spec.claim.timed:
+            pass  # no ranks warm up while this replicate is timed: nothing else may run then
+        elif trains_later:
             train.prestart(paper, request.params)  # the next replicate's ranks warm up while this one evaluates
         elif (next_up := _after_training.get()) is not None:
             next_up()
@@ -265,6 +288,44 @@ def _failing(child_id: str):
         except Exception:  # noqa: BLE001 - tracking down: the next start marks the run KILLED
             pass
         raise
+
+
+def stored_replicates(request: RunRequest, prepared, exp_id: str) -> dict[int, Any]:
+    """The replicates some earlier pipeline run trained exactly as this one would (same paper, profile, training
+    key, data and seed), by index: they are not trained again. All of them: the claim or the decision rule changed
+    and the claim is decided again from their metrics; some: the run extends them with the missing replicates."""
+    found = {}
+    for i, ready in enumerate(prepared):
+        rep = request.replicate(i)
+        key = tracking.training_key(request.paper, request.profile, rep.raw, ready.data_hash)
+        run = tracking.find_trained(exp_id, request.paper, request.profile, key, ready.data_hash, rep.params.seed)
+        if run is not None:
+            found[i] = run
+    count, paper = request.replicates, request.paper
+    if len(found) == count:
+        _say(f"[{paper}] all {count} replicates trained earlier with this code, params and data: only the claim "
+             "or the decision rule changed, deciding again from their stored metrics (no training)")
+    elif found:
+        missing = [f"r{i}" for i in range(count) if i not in found]
+        _say(f"[{paper}] {len(found)} of {count} replicates trained earlier: training the {len(missing)} missing "
+             f"({', '.join(missing)}) and deciding over all {count}")
+    return found
+
+
+def _tag_lineage(run_id: str, request: RunRequest, stored: dict[int, Any]) -> None:
+    """Where the parent's replicates come from: `paperline.lineage` says trained / extended / re-decided,
+    `paperline.stored_replicates` names the earlier child runs it points at, `paperline.stored_from` their
+    parents (the runs it re-decides or extends); `paperline.premises_only` marks a run blind to its claim."""
+    count = request.replicates
+    lineage = "trained" if not stored else "re-decided" if len(stored) == count else "extended"
+    tags = [RunTag("paperline.lineage", lineage),
+            RunTag("paperline.trained_replicates", ",".join(str(i) for i in range(count) if i not in stored)),
+            RunTag("paperline.stored_replicates", ",".join(f"{i}:{r.info.run_id}" for i, r in sorted(stored.items()))),
+            RunTag("paperline.stored_from", ",".join(sorted({r.data.tags.get("mlflow.parentRunId", "")
+                                                              for r in stored.values()})))]
+    if request.premises_only:
+        tags.append(RunTag("paperline.premises_only", "true"))
+    tracking.client().log_batch(run_id, tags=tags)
 
 
 @task(name="promote")
@@ -396,6 +457,7 @@ def run_papers(requests: list[RunRequest], force: bool, parallel: int = 1) -> li
     if len(requests) == 1:
         r = requests[0]
         return [paper_pipeline(r.paper, r.profile, r.overrides, force, r)]
-    if any(r.overrides for r in requests):
-        raise registry.ConfigError("--set applies to one paper at a time")
+    if any(set(r.overrides) - set(registry.SUITE_OVERRIDES) for r in requests):
+        raise registry.ConfigError("--set applies to one paper at a time "
+                                   f"(except {', '.join(registry.SUITE_OVERRIDES)})")
     return suite([r.paper for r in requests], requests[0].profile, force, parallel, requests)

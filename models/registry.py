@@ -23,6 +23,7 @@ from models.contract import Paper, PaperParams
 
 PROFILES = ("test", "smoke", "full")
 DEFAULT_PROFILE = "smoke"  # what `paperline run` runs; its data is the hand-written `prepare@<id>` DVC stage
+SUITE_OVERRIDES = ("replicates",)  # the one override that means the same for every paper (`run --all --set`)
 _NOT_PAPERS = {"contract", "registry", "common", "verdicts", "inputs"}  # the framework, not papers
 
 
@@ -148,6 +149,7 @@ class RunRequest:
     overrides: dict[str, Any]
     raw: dict[str, Any]   # the profile section + overrides as given: the cache key's params
     params: PaperParams   # validated
+    premises_only: bool = False  # show and record only the premises (`paperline run <id> --premises-only`)
 
     @property
     def replicates(self) -> int:
@@ -164,8 +166,10 @@ class RunRequest:
 
 
 def is_default_run(profile: str, overrides: Mapping[str, Any] | None) -> bool:
-    """The run `paperline run <id>` makes: its first replicate's data is the hand-written `prepare@<id>` stage."""
-    return profile == DEFAULT_PROFILE and not overrides
+    """The run `paperline run <id>` makes: its first replicate's data is the hand-written `prepare@<id>` stage.
+    `replicates` says how many replicates, not what one does: `--set replicates=5` is still the default run, so its
+    first three replicates are those of the 3-replicate run."""
+    return profile == DEFAULT_PROFILE and not set(overrides or {}) - {"replicates"}
 
 
 def replicate_raw(raw: Mapping[str, Any], index: int) -> dict[str, Any]:

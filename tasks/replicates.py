@@ -29,11 +29,11 @@ def aggregate(replicates: Sequence[Mapping[str, float]]) -> dict[str, float]:
     return out
 
 
-def claim_metrics(result: ClaimResult) -> dict[str, float]:
+def claim_metrics(result: ClaimResult, prefix: str = "claim") -> dict[str, float]:
     """The verdict (1 holds, -1 does not hold, 0 inconclusive) and each part's effect and interval."""
-    out = {"claim/verdict": VERDICT_CODE.get(result.verdict, 0.0), "claim/replicates": float(result.replicates)}
+    out = {f"{prefix}/verdict": VERDICT_CODE.get(result.verdict, 0.0), f"{prefix}/replicates": float(result.replicates)}
     for i, part in enumerate(result.parts):
-        key = f"claim/{part.role}{i}"
+        key = f"{prefix}/{part.role}{i}"
         out[f"{key}/effect"] = part.mean
         if not math.isnan(part.low):
             out[f"{key}/ci95_low"], out[f"{key}/ci95_high"] = part.low, part.high
@@ -68,6 +68,8 @@ def forest_plot(result: ClaimResult, path: Path, title: str) -> Path:
 
     colours = {HOLDS: "tab:green", FAILS: "tab:red"}
     parts = list(result.parts)
+    if not parts:  # a premises-only result of a claim without premises: nothing to plot
+        return path
     # one row per part: each effect has its own unit, so each its own x axis
     fig, axes = plt.subplots(len(parts), 1, figsize=(7, 0.8 * len(parts) + 1.0), squeeze=False,
                              layout="constrained")

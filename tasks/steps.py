@@ -8,6 +8,7 @@ outputs and the data, so it simply reruns.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -22,7 +23,7 @@ from prefect import task
 from models.common.threads import torch_threads
 from models.contract import ClaimResult, Paper, PaperParams
 from models.registry import RunRequest
-from tasks import data, replicates, tracking
+from tasks import data, quiet, replicates, tracking
 from tasks.context import EvalContext
 from tasks.train import TrainJob, launch
 
@@ -35,7 +36,8 @@ def prepare_task(paper: Paper, request: RunRequest, index: int, force: bool = Fa
     that ignores the seed comes out with the same hash and is shared through the DVC cache)."""
     rep = request.replicate(index)
     stage = data.stage_for(paper, request.profile, rep.params, rep.raw, rep.is_default)
-    return data.reproduce(stage, force=force)
+    with quiet.busy():  # a stage that runs loads the machine: a timing elsewhere waits for it
+        return data.reproduce(stage, force=force)
 def _worth_retrying(task, task_run, state) -> bool:
     """A killed rank or a lost connection may not happen twice; a full disk will."""
     try:
@@ -64,14 +66,17 @@ _EVALUATING = threading.Lock()
 
 def evaluate(paper: Paper, params: PaperParams, data_dir: Path, out_dir: Path,
              run_id: str | None) -> dict[str, float]:
-    """Run the paper's evaluation of one replicate; with a run id, log its metrics, plots and outputs there."""
-    with _EVALUATING:
+    """Run the paper's evaluation of one replicate; with a run id, log its metrics, plots and outputs there. A
+    paper with timed parts evaluates on a quiet machine (tasks/quiet.py) and records the load it was timed at."""
+    with _EVALUATING, (quiet.quiet() if paper.claim.timed else _busy_nothing_waited()) as waited:
         plots_dir = out_dir / "plots"
         plots_dir.mkdir(parents=True, exist_ok=True)
         ctx = EvalContext(params=params, data_dir=data_dir, out_dir=out_dir, plots_dir=plots_dir,
                           label=f"{paper.id} evaluate")
         with torch_threads(paper.eval_threads):
             metrics = {k: float(v) for k, v in paper.evaluate(ctx).items()}
+        if paper.claim.timed:
+            metrics |= {**waited, quiet.LOAD_METRIC: quiet.load_1m()}
     bad = [k for k, v in metrics.items() if not math.isfinite(v)]
     if bad:
         raise ValueError(f"{paper.id}.evaluate returned non-finite metrics: {bad}")
@@ -80,6 +85,12 @@ def evaluate(paper: Paper, params: PaperParams, data_dir: Path, out_dir: Path,
     if run_id:
         _log(run_id, metrics, {}, out_dir, plots_dir)
     return metrics
+
+
+@contextlib.contextmanager
+def _busy_nothing_waited():
+    with quiet.busy():
+        yield {}
 
 
 def recorded_metrics(run, out_dir: Path) -> dict[str, float]:
@@ -96,10 +107,17 @@ def recorded_metrics(run, out_dir: Path) -> dict[str, float]:
 
 
 def conclude(paper: Paper, run_id: str | None, per_replicate: Sequence[dict[str, float]], out_dir: Path,
-             first_replicate_dir: Path) -> ClaimResult:
+             first_replicate_dir: Path, premises_only: bool = False) -> ClaimResult:
     """Decide the claim over the replicates; write `claim.json` and the forest plot; with a run id, log the
-    aggregated metrics, the claim and replicate 0's outputs and plots (the registered model's source) there."""
-    claim = paper.claim.decide(per_replicate, machine=replicates.machine_name())
+    aggregated metrics, the claim and replicate 0's outputs and plots (the registered model's source) there.
+    `premises_only`: the premises alone, blind to the claim: only the premises' metrics are aggregated, and the
+    result is tagged `premises.*` (never `claim.*`, which champions, the scoreboard and listings read)."""
+    if premises_only:
+        claim = paper.claim.decide_premises(per_replicate, machine=replicates.machine_name())
+        shown = paper.claim.premise_names() | {quiet.LOAD_METRIC}
+        per_replicate = [{k: v for k, v in m.items() if k in shown} for m in per_replicate]
+    else:
+        claim = paper.claim.decide(per_replicate, machine=replicates.machine_name())
     plots_dir = out_dir / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "claim.json").write_text(json.dumps(claim.to_dict(), indent=1))
@@ -107,13 +125,17 @@ def conclude(paper: Paper, run_id: str | None, per_replicate: Sequence[dict[str,
     if run_id:
         from mlflow.entities import RunTag
 
-        metrics = {**replicates.aggregate(per_replicate), **replicates.claim_metrics(claim)}
-        tags = [RunTag("claim.verdict", claim.verdict), RunTag("claim.text", claim.text[:5000]),
-                RunTag("claim.reason", claim.reason[:5000]), RunTag("claim.numbers", claim.numbers[:5000]),
-                RunTag("claim.replicates", str(claim.replicates))]
-        _log(run_id, metrics, tags, first_replicate_dir, first_replicate_dir / "plots")
+        prefix = "premises" if premises_only else "claim"
+        metrics = {**replicates.aggregate(per_replicate), **replicates.claim_metrics(claim, prefix)}
+        tags = [RunTag(f"{prefix}.verdict", claim.verdict), RunTag(f"{prefix}.text", claim.text[:5000]),
+                RunTag(f"{prefix}.reason", claim.reason[:5000]), RunTag(f"{prefix}.numbers", claim.numbers[:5000]),
+                RunTag(f"{prefix}.replicates", str(claim.replicates))]
         client = tracking.client()
-        client.log_artifacts(run_id, str(plots_dir), "plots")
+        if premises_only:  # replicate 0's own metrics and outputs would show the deciding parts: they stay there
+            _log(run_id, metrics, tags, out_dir, plots_dir)
+        else:
+            _log(run_id, metrics, tags, first_replicate_dir, first_replicate_dir / "plots")
+            client.log_artifacts(run_id, str(plots_dir), "plots")
         client.log_artifact(run_id, str(out_dir / "claim.json"), "outputs")
     return claim
 
@@ -130,6 +152,6 @@ def _log(run_id: str, metrics: dict[str, float], tags: list, out_dir: Path, plot
         c.log_batch(run_id, tags=tags)
     if plots_dir.is_dir():
         c.log_artifacts(run_id, str(plots_dir), "plots")
-    for path in sorted(out_dir.iterdir()):
+    for path in sorted(out_dir.iterdir()) if out_dir.is_dir() else ():  # a stored replicate's folder may be gone
         if path.is_file() and path.name not in {"worker_spec.json"}:
             c.log_artifact(run_id, str(path), "outputs")

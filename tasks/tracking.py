@@ -1,8 +1,10 @@
 """MLflow tracking with explicit run ids (never the per-thread "active run"): one experiment per paper, one run per
 pipeline run, and the cache lookup that lets an unchanged rerun reuse its earlier result.
 
-The cache key (documented in the README) is sha256 over: the paper's source and the shared runtime code, the
-resolved params (profile + overrides), and the DVC data hash. It is the only "already ran" check above DVC.
+The cache key (documented in the README) is sha256 over: the code training imports (tasks/keys.py), the claim and
+the decision rule, the params as given (profile + overrides), and the DVC data hash. It is the only "already ran"
+check above DVC. A replicate's child run is keyed by training alone (`training_key`), so a run whose claim or
+decision rule changed, or that asks for more replicates, finds the replicates already trained (`find_trained`).
 """
 
 from __future__ import annotations
@@ -21,10 +23,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from models.registry import module_file
-from tasks import settings
+from tasks import keys, settings
 from tasks.settings import mask
 
-CODE_ROOTS = ("tasks", "models/common", "models/contract.py", "models/registry.py", "kernels")
 TAG = "paperline."
 
 
@@ -99,19 +100,6 @@ def experiment_id(paper_id: str) -> str:
                                tags={"paperline.paper": paper_id, EXPERIMENT_KIND[0]: EXPERIMENT_KIND[1]})
 
 
-def code_hash(paper_module_file: Path) -> str:
-    digest = hashlib.sha256()
-    package_root = Path(__file__).resolve().parents[1]
-    files = [paper_module_file]
-    for entry in CODE_ROOTS:
-        path = package_root / entry
-        files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
-    for f in files:
-        digest.update(f.name.encode())
-        digest.update(f.read_bytes())
-    return digest.hexdigest()
-
-
 def cache_key(code: str, params: Mapping, data_hash: str) -> str:
     blob = json.dumps({"code": code, "params": params, "data": data_hash}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -121,7 +109,27 @@ def run_key(paper_id: str, profile: str, raw_params: Mapping, data_hash: str) ->
     """The cache key of a pipeline run. It takes the params as given (profile section + overrides), not the
     validated model: the paper's code is in the key, so both identify the same work, and this way a cached rerun
     is found without importing the paper (torch and friends: seconds)."""
-    return cache_key(code_hash(module_file(paper_id)), {"profile": profile, "params": dict(raw_params)}, data_hash)
+    paper_file = module_file(paper_id)
+    code = f"{keys.training_hash(paper_file)}:{keys.verdict_hash(paper_file)}"
+    return cache_key(code, {"profile": profile, "params": dict(raw_params)}, data_hash)
+
+
+def training_key(paper_id: str, profile: str, replicate_raw: Mapping, data_hash: str) -> str:
+    """The key of one replicate's training and evaluation: the code training imports (the claim stripped), the
+    replicate's params as given (its seed; `replicates` is not among them) and its data hash."""
+    return cache_key(keys.training_hash(module_file(paper_id)), {"profile": profile, "params": dict(replicate_raw)},
+                     data_hash)
+
+
+def find_trained(exp_id: str, paper_id: str, profile: str, key: str, data_hash: str, seed: object):
+    """The newest finished replicate run of any pipeline run that trained exactly this (paper, profile, training
+    key, data, seed): its stored metrics decide again without training."""
+    runs = client().search_runs([exp_id], filter_string=f"tags.`{TAG}training_key` = '{key}' and "
+                                f"tags.`{TAG}kind` = 'replicate' and tags.`{TAG}paper` = '{paper_id}' and "
+                                f"tags.`{TAG}profile` = '{profile}' and tags.`{TAG}data_hash` = '{data_hash}' and "
+                                f"tags.`{TAG}seed` = '{seed}' and attributes.status = 'FINISHED'",
+                                order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0] if runs else None
 
 
 def find_cached(exp_id: str, key: str):

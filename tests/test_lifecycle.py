@@ -26,6 +26,13 @@ def test_promotion_rule():
                             champ).alias == "champion"  # lower is better there
     assert lifecycle.decide(primary, {"value": float("nan"), "data_hash": "h", "profile": "smoke"},
                             champ).alias == "challenger"
+    # more replicates of the same worlds compare (the 3-replicate champion's data, two replicates more) ...
+    three = {"version": "2", "value": 0.8, "data_hash": "a,b,c", "profile": "smoke"}
+    assert lifecycle.decide(primary, {"value": 0.81, "data_hash": "a,b,c,d,e", "profile": "smoke"},
+                            three).alias == "champion"
+    # ... other worlds do not
+    assert lifecycle.decide(primary, {"value": 0.81, "data_hash": "a,x,c,d,e", "profile": "smoke"},
+                            three).alias == "challenger"
 
 
 def _finished_run(paper: str, value: float, holds: bool, start_ms: int | None = None, data_hash: str = "h",

@@ -8,7 +8,16 @@ import math
 import pytest
 from scipy import stats
 
-from models.verdicts import FAILS, HOLDS, INCONCLUSIVE, Claim, ClaimResult, Compare, t_interval
+from models.verdicts import (
+    FAILS,
+    HOLDS,
+    INCONCLUSIVE,
+    Claim,
+    ClaimResult,
+    Compare,
+    replicates_to_decide,
+    t_interval,
+)
 from tasks.replicates import aggregate, claim_metrics
 
 
@@ -109,18 +118,110 @@ def test_any_decisive_failure_fails_the_claim_and_context_never_decides():
     assert mixed.decide(noisy).verdict == INCONCLUSIVE
 
 
-def test_timed_parts_pool_their_repeats_and_say_where_they_ran():
-    def timings(method_s, baseline_s):
-        m = {"method/s": sum(method_s) / 5, "baseline/b/s": sum(baseline_s) / 5}
-        m |= {f"method/s/k{i}": v for i, v in enumerate(method_s)}
-        return m | {f"baseline/b/s/k{i}": v for i, v in enumerate(baseline_s)}
+def _timings(method_s: list[float], baseline_s: list[float], load: float | None = None) -> dict[str, float]:
+    m = {"method/s": sum(method_s) / len(method_s), "baseline/b/s": sum(baseline_s) / len(baseline_s)}
+    m |= {f"method/s/k{i}": v for i, v in enumerate(method_s)}
+    m |= {f"baseline/b/s/k{i}": v for i, v in enumerate(baseline_s)}
+    return m if load is None else m | {"timing/load_1m": load}
 
-    metrics = [timings([1.0, 1.1, 0.9, 1.0, 1.05], [2.0, 2.1, 1.9, 2.2, 2.0]) for _ in range(3)]
+
+def test_timed_parts_decide_over_replicate_medians_and_say_where_they_ran():
+    metrics = [_timings([1.0, 1.1, 0.9, 1.0, 1.05], [2.0, 2.1, 1.9, 2.2, 2.0], load=0.25 * i) for i in range(3)]
     part = Compare("method/s", "<", "baseline/b/s", timed=True).decide(metrics, machine="Test CPU")
-    assert part.verdict == HOLDS and part.samples == 15 and part.replicates == 3
-    assert "x 5 timings (timed on Test CPU)" in part.line()
+    # one value per replicate: median 1.0 minus median 2.0, identical in all three replicates
+    assert part.verdict == HOLDS and part.samples == 3 and part.replicates == 3 and part.timings == 5
+    assert (part.mean, part.low, part.high) == (-1.0, -1.0, -1.0)
+    assert "over 3 replicates (median of 5 timings each) (timed on Test CPU, load 0.5)" in part.line()
     with pytest.raises(KeyError, match=">= 5 timings"):
         Compare("method/s", "<", "baseline/b/s", timed=True).decide([{"method/s": 1.0, "baseline/b/s": 2.0}])
+
+
+def test_timed_interval_has_replicates_minus_one_degrees_of_freedom():
+    """Timings within a replicate share its machine state: the interval is the t-interval over the replicates'
+    medians, not over pooled timings (which would be narrower and wrong)."""
+    shifts = (0.0, 0.3, -0.2)  # each replicate's machine is a little faster or slower, for both arms alike
+    jitter = (0.05, -0.04, 0.0, 0.03, -0.06, 0.01, 0.02)  # k = 7 timings, median 0.01
+    metrics = [_timings([1.0 + s + j for j in jitter], [1.2 + 2 * s + j for j in jitter]) for s in shifts]
+    part = Compare("method/s", "<", "baseline/b/s", timed=True).decide(metrics)
+    medians = [(1.0 + s + 0.01) - (1.2 + 2 * s + 0.01) for s in shifts]
+    assert part.samples == 3 and part.timings == 7
+    assert (part.mean, part.low, part.high) == pytest.approx(t_interval(medians))
+    pooled = t_interval([(1.0 + s + j) - (1.2 + 2 * s + j) for s in shifts for j in jitter])
+    assert part.high - part.low > 2 * (pooled[2] - pooled[1])  # 2 degrees of freedom, not 20
+    # a ratio timed k times (speedup): the median of its k values, per replicate
+    speedups = [{"method/speedup": 2.0, **{f"method/speedup/k{i}": v for i, v in enumerate((9.0, 2.1, 2.0, 1.9,
+                                                                                            2.2))}}] * 2
+    assert Compare("method/speedup", ">=", 2.0, timed=True).decide(speedups).mean == pytest.approx(0.1)
+
+
+def test_premises_guard_only_the_parts_they_name():
+    """stp's case: a sample-quality premise fails; the parts it does not guard still decide."""
+    metrics = [{"quality/valid": 0.2, "method/fid": 1.0 + i / 10, "baseline/x/fid": 2.0, "method/harm": 0.5 + i / 20,
+                "baseline/x/harm": 0.1} for i in range(3)]
+    parts = (Compare("method/fid", "<", "baseline/x/fid", name="sample_quality"),
+             Compare("method/harm", ">", "baseline/x/harm"))
+    scoped = Claim(all_of=parts, premises=(Compare("quality/valid", ">=", 0.9, name="valid",
+                                                   guards=("sample_quality",)),))
+    result = scoped.decide(metrics)
+    assert result.verdict == INCONCLUSIVE
+    assert result.reason.startswith("premise valid failed (quality/valid - 0.9 = -0.7")
+    assert result.reason.endswith("; undecided: method/fid - baseline/x/fid")
+    fid, harm = result.parts[1], result.parts[2]
+    assert fid.undecided_by == "valid" and fid.verdict == HOLDS  # its own interval is still shown ...
+    assert "-> holds (undecided: premise valid not met)" in fid.line()  # ... and marked as not counting
+    assert harm.undecided_by == "" and harm.verdict == HOLDS
+    # an unguarded part that fails decides the claim even though a premise failed
+    failing = [{**m, "method/harm": 0.0 - i / 100} for i, m in enumerate(metrics)]
+    assert scoped.decide(failing).verdict == FAILS
+    # guarded by left metric as well as by name; the default guards every part
+    by_metric = Claim(all_of=parts, premises=(Compare("quality/valid", ">=", 0.9, name="valid",
+                                                      guards=("method/harm",)),))
+    assert [p.undecided_by for p in by_metric.decide(metrics).parts[1:]] == ["", "valid"]
+    everything = Claim(all_of=parts, premises=(Compare("quality/valid", ">=", 0.9, name="valid"),))
+    assert [p.undecided_by for p in everything.decide(failing).parts[1:]] == ["valid", "valid"]
+    assert everything.decide(failing).verdict == INCONCLUSIVE and "undecided" not in everything.decide(failing).reason
+    met = [{**m, "quality/valid": 0.95 + i / 100} for i, m in enumerate(metrics)]
+    assert scoped.decide(met).verdict == HOLDS
+    with pytest.raises(ValueError, match="guard parts the claim does not have"):
+        Claim(all_of=parts, premises=(Compare("quality/valid", ">=", 0.9, name="valid", guards=("nope",)),))
+
+
+def test_premises_only_result_never_names_the_deciding_parts():
+    claim = Claim(all_of=(Compare("method/a", ">", "baseline/b/a"),),
+                  premises=(Compare("detail/fit", ">=", 0.9, name="fits"),))
+    metrics = [{"method/a": 0.9, "baseline/b/a": 0.1, "detail/fit": 0.95 + i / 100} for i in range(3)]
+    result = claim.decide_premises(metrics)
+    assert result.verdict == HOLDS and [p.role for p in result.parts] == ["premise"]
+    assert "method/a" not in result.text + result.numbers + result.reason
+    low = [{**m, "detail/fit": 0.5 + i / 100} for i, m in enumerate(metrics)]
+    assert claim.decide_premises(low).verdict == FAILS and claim.decide_premises(low).reason == "not met: fits"
+    assert Claim(all_of=claim.all_of).decide_premises(metrics).reason == "the claim declares no premises"
+
+
+@pytest.mark.parametrize(("mean", "sd", "expected"), [
+    (1.0, 0.0, 2),
+    (0.0, 1.0, None),
+    (1e-6, 1.0, None),   # would need millions of replicates: the effect is about zero
+])
+def test_replicates_to_decide_edge_cases(mean, sd, expected):
+    assert replicates_to_decide(mean, sd) == expected
+
+
+def test_replicates_to_decide_is_the_first_count_whose_interval_excludes_zero():
+    mean, sd = 0.5, 0.6
+    n = replicates_to_decide(mean, sd)
+    half = [stats.t.ppf(0.975, k - 1) * sd / math.sqrt(k) for k in (n - 1, n)]
+    assert half[0] >= mean > half[1] and n == 9
+    assert replicates_to_decide(-mean, sd) == n  # a decisive failure counts as decided too
+    # on a part: three replicates leave it undecided, the hint says where it would be decided
+    diffs = (0.2, 0.9, 0.4)
+    part = Compare("a", ">", "b").decide([{"a": d, "b": 0.0} for d in diffs])
+    assert part.verdict == INCONCLUSIVE and part.sd == pytest.approx(stats.tstd(diffs))
+    expected = replicates_to_decide(sum(diffs) / 3, stats.tstd(diffs))
+    assert part.decided_at == f"decided at ~{expected} replicates" and part.decided_at in part.line()
+    flat = Compare("a", ">", "b").decide([{"a": d, "b": 0.0} for d in (0.5, -0.5, 0.001)])
+    assert flat.decided_at == "effect ~ 0"
+    assert Compare("a", ">", "b").decide([{"a": 1 + d, "b": 0.0} for d in diffs]).decided_at == ""  # decided
 
 
 def test_claim_line_and_round_trip():
