@@ -230,10 +230,10 @@ def _open_run(request: RunRequest, exp_id: str, key: str, data_hash: str, prepar
         "paperline.data_hash": data_hash, "paperline.data_stage": prepared[0].stage.target,
         "paperline.world_size": str(request.params.ranks), "paperline.pid": str(os.getpid()),
         "paperline.overrides": ",".join(f"{k}={v}" for k, v in request.overrides.items()),
-        "mlflow.source.git.commit": tracking.git_commit(),
+        "mlflow.source.git.commit": (commit := tracking.git_commit()),
         "prefect.flow_run_id": str(runtime.flow_run.id or ""),
         "mlflow.runName": run_label(paper, profile, request.overrides),
-        **lineage_tags(request, force),
+        **lineage_tags(request, force, commit),
     }
     if os.environ.get("PAPERLINE_REPRODUCES"):  # set by `paperline reproduce` for the rerun it starts
         tags["paperline.reproduces"] = os.environ["PAPERLINE_REPRODUCES"]
@@ -252,10 +252,12 @@ def _open_run(request: RunRequest, exp_id: str, key: str, data_hash: str, prepar
     return run_id
 
 
-def lineage_tags(request: RunRequest, force: bool) -> dict[str, str]:
-    """What MLflow's UI shows as the run's source (the entry point, with the commit beside it) and the parts of the
-    cache key on their own, so the morning report can say which one made a paper retrain."""
-    return {"mlflow.source.name": "paperline flows/pipeline.py:paper_pipeline", "mlflow.source.type": "JOB",
+def lineage_tags(request: RunRequest, force: bool, commit: str) -> dict[str, str]:
+    """The run's source as MLflow's UI shows it (its Source column prints the name after the last "/": the flow's
+    file and the commit; its Version column the commit alone) and the parts of the cache key on their own, so the
+    morning report can say which one made a paper retrain."""
+    return {"mlflow.source.name": f"flows/pipeline.py @ {commit[:12]}{'-dirty' if commit.endswith('-dirty') else ''}",
+            "mlflow.source.type": "LOCAL",
             "paperline.code_hash": tracking.code_hash(registry.module_file(request.paper)),
             "paperline.params_hash": tracking.params_hash(request.profile, request.raw),
             "paperline.forced": str(bool(force)).lower()}
