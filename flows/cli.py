@@ -17,7 +17,6 @@ from tasks.settings import configure_environment
 
 configure_environment()
 
-from flows.cache import lookup  # noqa: E402
 from models import registry  # noqa: E402
 from tasks import settings, tracking  # noqa: E402
 
@@ -83,6 +82,8 @@ def run(
         if tracking.store_exists():  # a server, or the embedded store (whose first use creates it)
             tracking.check_reachable()
         # unchanged work answers from MLflow at once, before Prefect starts or any paper is imported
+        from flows.cache import lookup
+
         reused = {} if force else lookup(ids, profile, overrides)
         todo = [pid for pid in ids if pid not in reused]
         # every run resolved once (values checked, real inputs present) before any work; handed down as is
