@@ -79,6 +79,7 @@ def run(
             os.environ["PAPERLINE_HOSTFILE"] = str(Path(hostfile).resolve())
         for pid in ids:  # ids, profile and keys, before anything is imported
             registry.raw_params(pid, profile, overrides, settings.params_file())
+        _say_started(ids, profile, overrides)
         if tracking.store_exists():  # a server, or the embedded store (whose first use creates it)
             tracking.check_reachable()
         # unchanged work answers from MLflow at once, before Prefect starts or any paper is imported
@@ -130,6 +131,15 @@ def run(
         _write_report(profile)
     if failed:
         raise typer.Exit(1)
+
+
+def _say_started(ids: list[str], profile: str, overrides: dict) -> None:
+    """The first line of a run, within a second of the command: what follows (the earlier-run check, DVC, Prefect
+    and the ranks starting) takes seconds before the first stage prints."""
+    what = ids[0] if len(ids) == 1 else f"{len(ids)} papers"
+    given = "".join(f" {k}={v}" for k, v in overrides.items())
+    typer.echo(f"[{what}] started ({profile}{given}): looking for an identical earlier run, then DVC, Prefect and "
+               "the training ranks start", err=True)
 
 
 def _write_report(profile: str | None) -> None:
