@@ -104,6 +104,9 @@ def paper_line(paper_id: str, since_ms: int, profile: str) -> Line:
         return Line(paper_id, "not run", "not run in this window", trend=_trend(finished, metric))
     if now is not None:
         before = [r for r in finished if r.info.start_time < now.info.start_time]
+        # the run before of the same overrides (the one an unchanged rerun would have reused), if there is one
+        overrides = now.data.tags.get("paperline.overrides", "")
+        before = [r for r in before if r.data.tags.get("paperline.overrides", "") == overrides] or before
         line.verdict_now = _verdict(now)
         line.verdict_before = _verdict(before[0]) if before and line.status == "retrained" else ""
         if line.status == "retrained":

@@ -83,6 +83,9 @@ def test_morning_report_reads_pipeline_runs_not_their_replicates(workspace):
     lineage = {"paperline.code_hash": "c", "paperline.params_hash": "p", "paperline.forced": "false"}
     before = _finished_run("sei", 0.90, False, start_ms=day_ago, lineage=lineage)
     lifecycle.register_and_promote("sei", before)
+    # an override run in between is not the run before of the default one
+    _finished_run("sei", 0.99, True, start_ms=day_ago + 1000, lineage={**lineage, "paperline.overrides": "epochs=1",
+                                                                          "paperline.params_hash": "o"})
     now = _finished_run("sei", 0.95, True, lineage={**lineage, "paperline.params_hash": "q"})  # retrained last night
     reused = _finished_run("qubo_relax", 0.5, False, start_ms=day_ago)
     tracking.mark_reused(reused)  # the nightly run found it unchanged
