@@ -439,8 +439,9 @@ def publish_suite_artifact(results: list[dict], profile: str, morning_md) -> Non
         verdict = r["verdict"] + (f": {r['reason']}" if r["reason"] else "")
         rows.append(f"| {r['paper']} | {verdict.replace('|', '/')} | {'reused' if r['reused'] else 'retrained'} | "
                     f"[{r['run_id'][:8]}]({url}) |")
-    markdown = (f"## suite ({profile}): {len(results)} paper(s)\n\n" + "\n".join(rows) + "\n\n"
-                + morning_md.read_text())
+    # the morning report's lines of this suite's papers (it lists every paper: the others are "not run")
+    morning = [line for line in morning_md.read_text().splitlines() if "| not run (" not in line]
+    markdown = f"## suite ({profile}): {len(results)} paper(s)\n\n" + "\n".join(rows + [""] + morning) + "\n"
     try:
         create_markdown_artifact(markdown, key=f"suite-{profile}", description=f"suite {profile} scoreboard")
     except Exception as e:  # noqa: BLE001 - the artifact describes the suite; its failure must not fail it

@@ -39,3 +39,24 @@ def test_forest_plot_reads_the_claimed_side_from_the_comparison():
     assert _claimed_op("method/a > max(baseline/{b,c}/a)") == ">"
     assert _claimed_op("method/risk <= 2 x baseline/bayes/risk + 0.1") == "<="
     assert _claimed_op("baseline/fedavg/mem_auc_global < baseline/fedavg/mem_auc_local") == "<"
+
+
+def test_pipeline_runs_are_named_by_their_overrides_and_publish_their_verdict(monkeypatch, tmp_path):
+    import prefect.artifacts
+
+    from flows import pipeline
+    from flows.cache import PipelineResult
+
+    assert pipeline.run_label("sei", "smoke", None) == "sei-smoke"
+    assert pipeline.run_label("sei", "test", {"epochs": 5, "eta": 0.3}) == "sei-test epochs=5,eta=0.3"
+    published = []
+    monkeypatch.setattr(prefect.artifacts, "create_markdown_artifact",
+                        lambda markdown, key, description: published.append((key, markdown, description)))
+    result = PipelineResult("quantile_mia", "smoke", "abc123", False, "holds", "method/a > baseline/b/a",
+                            "method/a - baseline/b/a = 0.1 [0.05, 0.15] over 3 replicates -> holds", "", 3, "h", 1.0)
+    pipeline.publish_artifact(result, "7")
+    key, markdown, description = published[0]
+    assert key == "claim-quantile-mia-smoke" and description == "quantile_mia: holds"
+    assert markdown.startswith("## quantile_mia (smoke): holds")
+    assert "- `method/a - baseline/b/a = 0.1 [0.05, 0.15] over 3 replicates -> holds`" in markdown
+    assert "[abc123](http://127.0.0.1:5000/#/experiments/7/runs/abc123?workflowType=machine_learning)" in markdown
