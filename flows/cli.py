@@ -17,7 +17,6 @@ from tasks.settings import configure_environment
 
 configure_environment()
 
-from flows.cache import lookup  # noqa: E402
 from models import registry  # noqa: E402
 from tasks import settings, tracking  # noqa: E402
 
@@ -85,9 +84,12 @@ def run(
             os.environ["PAPERLINE_HOSTFILE"] = str(Path(hostfile).resolve())
         for pid in ids:  # ids, profile and keys, before anything is imported
             registry.raw_params(pid, profile, overrides, settings.params_file())
+        _say_started(ids, profile, overrides)
         if tracking.store_exists():  # a server, or the embedded store (whose first use creates it)
             tracking.check_reachable()
         # unchanged work answers from MLflow at once, before Prefect starts or any paper is imported
+        from flows.cache import lookup
+
         reused = {} if force or premises_only else lookup(ids, profile, overrides)
         todo = [pid for pid in ids if pid not in reused]
         # every run resolved once (values checked, real inputs present) before any work; handed down as is
@@ -136,6 +138,15 @@ def run(
         _write_report(profile)
     if failed:
         raise typer.Exit(1)
+
+
+def _say_started(ids: list[str], profile: str, overrides: dict) -> None:
+    """The first line of a run, within a second of the command: what follows (the earlier-run check, DVC, Prefect
+    and the ranks starting) takes seconds before the first stage prints."""
+    what = ids[0] if len(ids) == 1 else f"{len(ids)} papers"
+    given = "".join(f" {k}={v}" for k, v in overrides.items())
+    typer.echo(f"[{what}] started ({profile}{given}): looking for an identical earlier run, then DVC, Prefect and "
+               "the training ranks start", err=True)
 
 
 def _write_report(profile: str | None) -> None:

@@ -98,16 +98,18 @@ def register_and_promote(paper_id: str, run_id: str) -> tuple[str, Decision]:
 
     client = tracking.client()
     name = model_name(paper_id)
+    description = f"{registry.get(paper_id).title}\n\n{serving.predict_input(paper_id)}"
     try:
-        client.get_registered_model(name)
+        if client.get_registered_model(name).description != description:  # registered before predict was described
+            client.update_registered_model(name, description=description)
     except MlflowException:
-        client.create_registered_model(name, tags={"paperline.paper": paper_id},
-                                       description=registry.get(paper_id).title)
+        client.create_registered_model(name, tags={"paperline.paper": paper_id}, description=description)
     run = client.get_run(run_id)
     tags = {k: run.data.tags[k] for k in LINEAGE_TAGS if k in run.data.tags}
     profile = run.data.tags.get("paperline.profile") or DEFAULT_PROFILE
     source = serving.log_run_model(paper_id, run_id)
-    version = client.create_model_version(name, source=source, run_id=run_id, tags=tags)
+    version = client.create_model_version(name, source=source, run_id=run_id, tags=tags,
+                                          description=serving.predict_input(paper_id))
     current = champion(paper_id, profile)
     decision = decide(registry.get(paper_id).primary, _describe(paper_id, version), current)
     return str(version.version), _apply(paper_id, version.version, decision, "pipeline", profile)

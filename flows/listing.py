@@ -8,7 +8,10 @@ from before verdicts had three values, `claim.holds` (true / false).
 from __future__ import annotations
 
 import ast
+import json
+import os
 import sqlite3
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +38,39 @@ def title(paper_id: str) -> str | None:
                     return str(kw.value.value)
             return registry.get(paper_id).title  # a title computed at import: ask the module
     return None
+
+
+def titles(paper_ids: list[str]) -> dict[str, str | None]:
+    """`title` of each paper, from `.cache/titles.json` where the module's size and mtime are the ones recorded
+    (parsing 38 modules costs ~0.6 s; reading one JSON file, milliseconds); parsed and recorded otherwise."""
+    cache_file = settings.root() / ".cache" / "titles.json"
+    try:
+        cached = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    out, fresh = {}, {}
+    for pid in paper_ids:
+        stat = registry.module_file(pid).stat()
+        stamp = [stat.st_size, stat.st_mtime_ns]
+        entry = cached.get(pid)
+        if isinstance(entry, list) and len(entry) == 3 and entry[:2] == stamp:
+            out[pid] = entry[2]
+        else:
+            out[pid] = title(pid)
+        fresh[pid] = [*stamp, out[pid]]
+    if fresh != cached:
+        _write_atomically(cache_file, json.dumps(fresh, indent=0))
+    return out
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
+            handle.write(text)
+        os.replace(handle.name, path)
+    except OSError:  # a read-only checkout: the titles are parsed each time, nothing else changes
+        pass
 
 
 def verdict_of(tags: dict[str, str]) -> str:
@@ -101,5 +137,5 @@ def _from_client() -> dict[str, tuple[str, str]]:
 
 def listing() -> list[Listed]:
     verdicts = latest_verdicts()
-    titles = {pid: title(pid) for pid in registry.paper_ids()}
-    return [Listed(pid, t, *verdicts.get(pid, ("-", ""))) for pid, t in titles.items() if t is not None]
+    return [Listed(pid, t, *verdicts.get(pid, ("-", ""))) for pid, t in titles(registry.paper_ids()).items()
+            if t is not None]

@@ -52,6 +52,11 @@ def start() -> bool:
     return True
 
 
+def started() -> bool:
+    """Whether this process runs on its own temporary API (which serves no UI)."""
+    return _port is not None
+
+
 def _launch() -> None:
     global _server
     prefect_dir = Path(find_spec("prefect").origin).parent

@@ -81,7 +81,8 @@ def paper_line(paper_id: str, since_ms: int, profile: str) -> Line:
     def url(run_id: str) -> str:  # opens in MLflow's model-training view
         return tracking.ui_link(ui, exp.experiment_id, run_id)
 
-    in_profile = f"tags.`paperline.profile` = '{profile}'"
+    # pipeline (parent) runs only: each replicate's child run starts just after its parent and holds no verdict
+    in_profile = f"tags.`paperline.profile` = '{profile}' and tags.`paperline.kind` = 'pipeline'"
     started = client.search_runs([exp.experiment_id], f"{in_profile} and attributes.start_time >= {since_ms}",
                                  order_by=["attributes.start_time DESC"], max_results=1)
     finished = client.search_runs([exp.experiment_id], f"{in_profile} and attributes.status = 'FINISHED' and "
@@ -96,15 +97,20 @@ def paper_line(paper_id: str, since_ms: int, profile: str) -> Line:
         line = Line(paper_id, "failed", f"run {started[0].info.status.lower()}", run_url=url(started[0].info.run_id))
         now = None
     elif started:
-        now, line = started[0], Line(paper_id, "retrained", "code, params or data changed, or --force")
+        now, line = started[0], Line(paper_id, "retrained", "")
     elif reused:
         now, line = reused[0], Line(paper_id, "skipped", "unchanged code, params and data: earlier run reused")
     else:
         return Line(paper_id, "not run", "not run in this window", trend=_trend(finished, metric))
     if now is not None:
         before = [r for r in finished if r.info.start_time < now.info.start_time]
+        # the run before of the same overrides (the one an unchanged rerun would have reused), if there is one
+        overrides = now.data.tags.get("paperline.overrides", "")
+        before = [r for r in before if r.data.tags.get("paperline.overrides", "") == overrides] or before
         line.verdict_now = _verdict(now)
         line.verdict_before = _verdict(before[0]) if before and line.status == "retrained" else ""
+        if line.status == "retrained":
+            line.why = retrain_reason(now, before[0] if before else None)
         line.value_now = now.data.metrics.get(metric)
         line.wall_s = now.data.metrics.get("time/total_s") if line.status == "retrained" else None
         line.run_url = url(now.info.run_id)
@@ -114,6 +120,25 @@ def paper_line(paper_id: str, since_ms: int, profile: str) -> Line:
         line.champion_value, line.champion_version = champ["value"], champ["version"]
         line.champion_url = url(champ["run_id"])
     return line
+
+
+# what the cache key is made of, each recorded on the pipeline run (flows/pipeline.py, `_open_run`)
+_KEY_PARTS = (("code", "paperline.code_hash"), ("params", "paperline.params_hash"), ("data", "paperline.data_hash"))
+
+
+def retrain_reason(run, before) -> str:
+    """Why `run` trained instead of reusing an earlier run: --force, or which of code, params and data differ from
+    the paper's run before it (a run without the hashes, from before they were recorded, says all three may)."""
+    tags = run.data.tags
+    if tags.get("paperline.forced") == "true":
+        return "--force"
+    if before is None:
+        return "first run of this profile"
+    old = before.data.tags
+    if any(key not in tags or key not in old for _, key in _KEY_PARTS):
+        return "code, params or data changed, or --force"
+    changed = [part for part, key in _KEY_PARTS if tags[key] != old[key]]
+    return (" and ".join(changed) + " changed") if changed else "same code, params and data as the run before"
 
 
 def _trend(runs, metric: str) -> list[float]:

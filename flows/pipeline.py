@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import json
+import logging
 import math
 import os
 import sys
@@ -19,11 +22,12 @@ from tasks.settings import configure_environment
 configure_environment()
 
 from mlflow.entities import Metric, Param, RunStatus, RunTag  # noqa: E402
-from prefect import flow, get_run_logger, runtime, task  # noqa: E402
+from prefect import flow, runtime, task  # noqa: E402
 from prefect.concurrency.sync import concurrency  # noqa: E402
 
 from flows import lifecycle, morning  # noqa: E402
 from flows.cache import PipelineResult  # noqa: E402
+from flows.report import ui_url  # noqa: E402
 from models import registry  # noqa: E402
 from models.registry import RunRequest  # noqa: E402
 from tasks import quiet, settings, tracking, train  # noqa: E402
@@ -34,6 +38,29 @@ from tasks.train import TrainJob  # noqa: E402
 
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+    to_flow_run_log(message)
+
+
+def to_flow_run_log(message: str) -> None:
+    """A line of paperline's own (claim, stage summaries) into the current Prefect flow run's logs at INFO, shown in
+    its Logs tab. Prefect's loggers stay at PREFECT_LOGGING_LEVEL (WARNING: its engine and the tools it wraps stay
+    quiet); this logger has only the API handler, so the console gets the line once, from the print."""
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    if FlowRunContext.get() is None and TaskRunContext.get() is None:
+        return  # not in a flow run: nothing to attach the line to
+    _run_logger().info(message)
+
+
+@functools.cache
+def _run_logger() -> logging.Logger:
+    from prefect.logging.handlers import APILogHandler
+
+    logger = logging.getLogger("paperline.flow_run")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    logger.addHandler(APILogHandler())
+    return logger
 
 
 # set by `suite` for the papers it runs: called when a paper's training ends, to warm up the next paper's ranks
@@ -41,7 +68,21 @@ _after_training: contextvars.ContextVar[Callable[[], None] | None] = contextvars
                                                                                          default=None)
 
 
-@flow(name="paper-pipeline", flow_run_name="{paper}-{profile}", log_prints=False)
+def run_label(paper: str, profile: str, overrides: dict[str, Any] | None) -> str:
+    """`sei-smoke`, or with overrides `sei-smoke epochs=5,eta=0.3`: the MLflow run's and the Prefect flow run's
+    name, so runs of different overrides tell apart in both UIs."""
+    label = f"{paper}-{profile}"
+    if overrides:
+        label += " " + ",".join(f"{k}={v}" for k, v in overrides.items())
+    return label if len(label) <= 120 else label[:119] + "…"
+
+
+def _flow_run_name() -> str:
+    parameters = runtime.flow_run.parameters
+    return run_label(parameters.get("paper", "?"), parameters.get("profile", "smoke"), parameters.get("overrides"))
+
+
+@flow(name="paper-pipeline", flow_run_name=_flow_run_name, log_prints=False)
 def paper_pipeline(paper: str, profile: str = "smoke", overrides: dict[str, Any] | None = None,
                    force: bool = False, request: RunRequest | None = None) -> dict:
     """One paper end to end: every replicate prepared, trained and evaluated, then the claim decided over them.
@@ -99,6 +140,8 @@ def _run(request: RunRequest, force: bool, start: float) -> dict:
         tracking.mark_reused(cached.info.run_id)
         _say(f"[{paper}] unchanged code, params and data: reusing run {cached.info.run_id} (use --force to retrain)")
         print(result.claim_line(), flush=True)
+        to_flow_run_log(result.claim_line())
+        publish_artifact(result, exp_id)
         return asdict(result)
 
     client = tracking.client()
@@ -107,6 +150,8 @@ def _run(request: RunRequest, force: bool, start: float) -> dict:
         train.cancel_prestarted(paper)
     run_id = _open_run(request, exp_id, key, data_hash, prepared, force)
     _tag_lineage(run_id, request, stored)
+    _say(f"[{paper}] MLflow run {tracking.ui_link(ui_url(), exp_id, run_id)}")
+    _say(f"[{paper}] Prefect flow run {prefect_link()}")
     try:
         with ThreadPoolExecutor(1, thread_name_prefix=f"evaluate-{paper}") as evaluator:
             pending = [_replicate(spec, request, i, prepared[i], run_id, exp_id, evaluator, stored.get(i),
@@ -136,12 +181,43 @@ def _run(request: RunRequest, force: bool, start: float) -> dict:
     result = PipelineResult(paper, profile, run_id, False, claim.verdict, claim.text, claim.numbers, claim.reason,
                             claim.replicates, data_hash, time.perf_counter() - start, request.premises_only,
                             count - len(stored))
-    try:
-        get_run_logger().info("claim %s: %s", paper, claim.headline())
-    except Exception:  # noqa: BLE001 - logging outside a run context is optional
-        pass
     print(result.claim_line(), flush=True)
+    to_flow_run_log(result.claim_line())
+    publish_artifact(result, exp_id)
     return asdict(result)
+
+
+def prefect_link() -> str:
+    """The current flow run in Prefect's UI. The temporary local API has no UI; its runs are in the project's
+    Prefect database, which `paperline server` serves (port 4200 by default)."""
+    from prefect.settings import PREFECT_UI_URL
+
+    from flows import local_api
+
+    flow_run_id = runtime.flow_run.id or ""
+    if local_api.started():
+        return f"http://127.0.0.1:4200/runs/flow-run/{flow_run_id} (once `paperline server` runs)"
+    base = PREFECT_UI_URL.value() or "http://127.0.0.1:4200"
+    return f"{base.rstrip('/')}/runs/flow-run/{flow_run_id}"
+
+
+def publish_artifact(result: PipelineResult, exp_id: str) -> None:
+    """The run's verdict as a Prefect markdown artifact (the flow run's Artifacts tab, and by key across runs): the
+    claim, each part's effect and interval, and the MLflow run."""
+    from prefect.artifacts import create_markdown_artifact
+
+    url = tracking.ui_link(ui_url(), exp_id, result.run_id)
+    kind = "premises" if result.premises_only else "claim"  # a premises-only run shows no verdict of the claim
+    verdict = result.verdict + (f": {result.reason}" if result.reason else "")
+    parts = "\n".join(f"- `{line.strip()}`" for line in result.claim_numbers.splitlines())
+    markdown = (f"## {result.paper} ({result.profile}) {kind}: {verdict}\n\n`{result.claim_text}`\n\n{parts}\n\n"
+                f"{result.replicates} replicate(s){', reused an earlier run' if result.reused else ''}. "
+                f"MLflow run: [{result.run_id}]({url})\n")
+    key = f"{kind}-{result.paper}-{result.profile}".replace("_", "-")
+    try:
+        create_markdown_artifact(markdown, key=key, description=f"{result.paper}: {result.verdict}")
+    except Exception as e:  # noqa: BLE001 - the artifact describes the run; its failure must not fail it
+        _say(f"[{result.paper}] no Prefect artifact: {type(e).__name__}: {e}")
 
 
 def _short(data_hash: str) -> str:
@@ -167,13 +243,14 @@ def _open_run(request: RunRequest, exp_id: str, key: str, data_hash: str, prepar
         "paperline.data_hash": data_hash, "paperline.data_stage": prepared[0].stage.target,
         "paperline.world_size": str(request.params.ranks), "paperline.pid": str(os.getpid()),
         "paperline.overrides": ",".join(f"{k}={v}" for k, v in request.overrides.items()),
-        "mlflow.source.git.commit": tracking.git_commit(),
+        "mlflow.source.git.commit": (commit := tracking.git_commit()),
         "prefect.flow_run_id": str(runtime.flow_run.id or ""),
-        "mlflow.runName": f"{paper}-{profile}",
+        "mlflow.runName": run_label(paper, profile, request.overrides),
+        **lineage_tags(request, force, commit),
     }
     if os.environ.get("PAPERLINE_REPRODUCES"):  # set by `paperline reproduce` for the rerun it starts
         tags["paperline.reproduces"] = os.environ["PAPERLINE_REPRODUCES"]
-    run_id = client.create_run(exp_id, run_name=f"{paper}-{profile}", tags=tags).info.run_id
+    run_id = client.create_run(exp_id, run_name=tags["mlflow.runName"], tags=tags).info.run_id
     resolved = request.params.model_dump(mode="json")
     client.log_batch(run_id, params=[Param(k, v[:6000]) for k, v in tracking.flatten(resolved).items()],
                      tags=[RunTag("paperline.claim.spec", "" if request.premises_only else  # blind to the claim
@@ -183,9 +260,35 @@ def _open_run(request: RunRequest, exp_id: str, key: str, data_hash: str, prepar
     client.log_dict(run_id, {"paper": paper, "profile": profile, "overrides": request.overrides,
                              "raw_params": request.raw, "params": resolved, "data_hash": data_hash},
                     "inputs/run_inputs.json")
+    log_datasets(run_id, prepared)
     if profile == "full":  # the estimate a finished full run is held against (`paperline plan`)
         _log_plan(run_id, request)
     return run_id
+
+
+def lineage_tags(request: RunRequest, force: bool, commit: str) -> dict[str, str]:
+    """The run's source as MLflow's UI shows it (its Source column prints the name after the last "/": the flow's
+    file and the commit; its Version column the commit alone) and the parts of the cache key on their own, so the
+    morning report can say which one made a paper retrain."""
+    return {"mlflow.source.name": f"flows/pipeline.py @ {commit[:12]}{'-dirty' if commit.endswith('-dirty') else ''}",
+            "mlflow.source.type": "LOCAL",
+            "paperline.code_hash": tracking.code_hash(registry.module_file(request.paper)),
+            "paperline.params_hash": tracking.params_hash(request.profile, request.raw),
+            "paperline.forced": str(bool(force)).lower()}
+
+
+def log_datasets(run_id: str, prepared) -> None:
+    """Each replicate's data as an MLflow dataset input (the run's Datasets column): named by its DVC stage, digest =
+    the DVC output hash, source = the stage and its output folder."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    inputs = []
+    for index, data in enumerate(prepared):
+        stage = data.stage
+        source = json.dumps({"dvc_stage": stage.target, "path": str(stage.out_dir.relative_to(settings.root()))})
+        dataset = Dataset(name=stage.target, digest=data.data_hash[:36], source_type="dvc", source=source)
+        inputs.append(DatasetInput(dataset, tags=[InputTag("mlflow.data.context", f"replicate {index}")]))
+    tracking.client().log_inputs(run_id, datasets=inputs)
 
 
 def _log_plan(run_id: str, request: RunRequest) -> None:
@@ -379,7 +482,32 @@ def suite(papers: list[str] | None = None, profile: str = "smoke", force: bool =
     md, _ = morning.write(morning.morning(window, profile), f"{window / 60:.0f} min (this suite run)",
                           stem=f"morning-{time.strftime('%Y-%m-%d')}")
     _say(f"morning report: {md}")
+    publish_suite_artifact(results, profile, md)
     return results
+
+
+def publish_suite_artifact(results: list[dict], profile: str, morning_md) -> None:
+    """The suite's scoreboard as one Prefect markdown artifact: per paper its verdict, whether it retrained, reused
+    an earlier run or failed, and its MLflow run; then the morning report's table (why each paper retrained)."""
+    from prefect.artifacts import create_markdown_artifact
+
+    ui = ui_url()
+    rows = ["| paper | verdict | this run | MLflow run |", "| --- | --- | --- | --- |"]
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['paper']} | | FAILED: {r['error'].replace('|', '/')[:200]} | |")
+            continue
+        url = tracking.ui_link(ui, tracking.experiment_id(r["paper"]), r["run_id"])
+        verdict = r["verdict"] + (f": {r['reason']}" if r["reason"] else "")
+        rows.append(f"| {r['paper']} | {verdict.replace('|', '/')} | {'reused' if r['reused'] else 'retrained'} | "
+                    f"[{r['run_id'][:8]}]({url}) |")
+    # the morning report's lines of this suite's papers (it lists every paper: the others are "not run")
+    morning = [line for line in morning_md.read_text().splitlines() if "| not run (" not in line]
+    markdown = f"## suite ({profile}): {len(results)} paper(s)\n\n" + "\n".join(rows + [""] + morning) + "\n"
+    try:
+        create_markdown_artifact(markdown, key=f"suite-{profile}", description=f"suite {profile} scoreboard")
+    except Exception as e:  # noqa: BLE001 - the artifact describes the suite; its failure must not fail it
+        _say(f"no Prefect artifact for the suite: {type(e).__name__}: {e}")
 
 
 class _Eta:

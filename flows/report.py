@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -29,7 +30,8 @@ class Row:
     replicates: str = ""
     reason: str = ""
     forest: Path | None = None
-    commit: str = ""    # the git commit of the code the run used (`mlflow.source.git.commit`)
+    commit: str = ""  # the git commit of the code the run used (`mlflow.source.git.commit`)
+    overrides: str = ""  # the run's --set overrides (k=v,...), empty for the profile as params.yaml has it
 
     def url(self, ui: str) -> str:
         return tracking.ui_link(ui, self.experiment_id, self.run_id) if self.run_id else ""
@@ -61,7 +63,8 @@ def scoreboard(profile: str | None = "smoke", plots_dir: Path | None = None) -> 
                         t.get("paperline.data_hash", ""), run.info.run_id, t.get("paperline.profile", ""),
                         run.info.experiment_id, t.get("claim.replicates", ""), t.get("claim.reason", ""),
                         _forest(run.info.run_id, plots_dir / f"{pid}-forest.png"),
-                        t.get("mlflow.source.git.commit", "")))
+                        commit=t.get("mlflow.source.git.commit", ""),
+                        overrides=t.get("paperline.overrides", "")))
     return rows
 
 
@@ -90,6 +93,37 @@ def _forest(run_id: str, target: Path) -> Path | None:
         return None
 
 
+# inconclusive rows by why, in this order; any other reason after them
+_INCONCLUSIVE_KINDS = ("premise failed", "premise not shown", "interval crosses zero", "one replicate, no interval")
+
+
+def group(row: Row) -> str:
+    """The scoreboard section of a row: `decisive`, `inconclusive: <why>` or `not run here`."""
+    if row.verdict in ("holds", "does not hold"):
+        return "decisive"
+    if row.verdict == NOT_RUN:
+        return NOT_RUN
+    if not row.reason:
+        return "inconclusive: interval crosses zero"
+    premise = re.match(r"premise \S+ (failed|not shown)", row.reason)
+    if premise:
+        return f"inconclusive: premise {premise[1]}"
+    if "no interval" in row.reason:
+        return "inconclusive: one replicate, no interval"
+    return "inconclusive: " + row.reason.split(" (")[0]
+
+
+def ordered(rows: list[Row]) -> list[Row]:
+    """Decisive rows first, then inconclusive ones grouped by why, then papers not run; by paper within a group."""
+    def key(row: Row) -> tuple[int, str, str]:
+        name = group(row)
+        kind = name.removeprefix("inconclusive: ")
+        rank = 0 if name == "decisive" else 99 if name == NOT_RUN else \
+            1 + (_INCONCLUSIVE_KINDS.index(kind) if kind in _INCONCLUSIVE_KINDS else len(_INCONCLUSIVE_KINDS))
+        return rank, name, row.paper
+    return sorted(rows, key=key)
+
+
 def ui_url() -> str:
     """Where run links point: the tracking server itself, or the embedded store's `paperline ui` default."""
     uri = settings.tracking_uri()
@@ -100,6 +134,7 @@ def write(rows: list[Row], out_dir: Path | None = None) -> tuple[Path, Path]:
     out_dir = out_dir or settings.root() / "reports"
     ui = ui_url()
     out_dir.mkdir(parents=True, exist_ok=True)
+    rows = ordered(rows)
     counts = {v: sum(r.verdict == v for r in rows) for v in ("holds", "does not hold", "inconclusive", NOT_RUN)}
     summary = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
     commits = commit_summary(rows, tracking.git_commit())
@@ -115,27 +150,57 @@ def write(rows: list[Row], out_dir: Path | None = None) -> tuple[Path, Path]:
         parts = "<br>".join(line.replace("|", "/") for line in r.numbers.splitlines())
         plot = f"[forest]({r.forest.relative_to(out_dir)})" if r.forest and r.forest.is_relative_to(out_dir) else ""
         md.append(f"| {r.paper} | {verdict.replace('|', '/')} | {r.replicates} | {parts} | `{r.claim}` | "
-                  f"{r.profile} | {r.data_hash[:12]} | {f'[{r.run_id[:8]}]({r.url(ui)})' if r.run_id else ''} | "
+                  f"{_profile(r)} | {r.data_hash[:12]} | {f'[{r.run_id[:8]}]({r.url(ui)})' if r.run_id else ''} | "
                   f"{r.commit[:12]} | {plot} |")
     md_path = out_dir / "scoreboard.md"
     md_path.write_text("\n".join(md) + "\n")
-    cells = "".join(
-        f"<tr><td>{html.escape(r.paper)}</td><td class='{r.verdict.replace(' ', '-')}'>"
-        f"{html.escape(r.verdict + (': ' + r.reason if r.reason else ''))}</td><td>{r.replicates}</td>"
-        f"<td>{'<br>'.join(html.escape(x) for x in r.numbers.splitlines())}</td>"
-        f"<td><code>{html.escape(r.claim)}</code></td><td>{r.profile}</td><td>{r.data_hash[:12]}</td>"
-        f"<td><a href='{r.url(ui)}'>{r.run_id[:8]}</a></td><td>{html.escape(r.commit[:12])}</td>"
-        f"<td>{_inline_png(r.forest)}</td></tr>" for r in rows)
-    page = ("<!doctype html><meta charset='utf-8'><title>paperline scoreboard</title><style>"
-            "body{font-family:sans-serif}td,th{border:1px solid #ccc;padding:4px;vertical-align:top}"
-            "table{border-collapse:collapse}.holds{background:#dfd}.does-not-hold{background:#fdd}"
-            ".inconclusive{background:#eee}img{max-width:420px}</style>"
-            f"<h1>paperline scoreboard</h1><p>{html.escape(summary)}</p><p>{html.escape(commits)}</p><table><tr>"
-            "<th>paper</th><th>verdict</th><th>replicates</th><th>claim parts</th><th>claim</th><th>profile</th>"
-            f"<th>data hash</th><th>MLflow run</th><th>commit</th><th>forest plot</th></tr>{cells}</table>")
     html_path = out_dir / "scoreboard.html"
-    html_path.write_text(page)
+    html_path.write_text(page(rows, summary + ". " + commits, ui))
     return md_path, html_path
+
+
+def _profile(row: Row) -> str:
+    return row.profile + (f" with {row.overrides}" if row.overrides else "")
+
+
+_CSS = ("body{font-family:sans-serif;font-size:14px;margin:1em;max-width:1400px}"
+        "table{border-collapse:collapse;width:100%;table-layout:fixed}"
+        "td,th{border:1px solid #ccc;padding:4px;vertical-align:top;overflow-wrap:anywhere}"
+        "th{background:#f4f4f4;text-align:left}.parts{font-size:12px;font-family:monospace}"
+        "tr.group td{background:#333;color:#fff;font-weight:bold}.holds{background:#dfd}"
+        ".does-not-hold{background:#fdd}.inconclusive{background:#eee}.override{color:#a60}"
+        "details img{max-width:100%;display:block;margin:4px 0}summary{cursor:pointer;color:#06c}")
+_WIDTHS = (("paper", "13%"), ("verdict", "20%"), ("replicates", "6%"), ("claim parts: effect [95 % interval]", "43%"),
+           ("profile", "8%"), ("MLflow run", "10%"))
+
+
+def page(rows: list[Row], summary: str, ui: str) -> str:
+    """The scoreboard as one HTML page that fits a laptop screen: a section per group (decisive, inconclusive by
+    why, not run), the claim and the forest plot (at full size) folded under each paper."""
+    head = "".join(f"<th style='width:{w}'>{h}</th>" for h, w in _WIDTHS)
+    body, current = [], None
+    for r in rows:
+        if group(r) != current:
+            current = group(r)
+            count = sum(group(x) == current for x in rows)
+            body.append(f"<tr class='group'><td colspan='{len(_WIDTHS)}'>{html.escape(current)} ({count})</td></tr>")
+        claim = f"<details><summary>claim</summary><code>{html.escape(r.claim)}</code></details>"
+        plot = _inline_png(r.forest)
+        forest = f"<details><summary>forest plot</summary>{plot}</details>" if plot else ""
+        profile = html.escape(r.profile) + (f"<br><span class='override'>{html.escape(r.overrides)}</span>"
+                                            if r.overrides else "")
+        link = (f"<a href='{html.escape(r.url(ui))}'>{r.run_id[:8]}</a><br>data {r.data_hash[:12]}"
+                f"<br>commit {html.escape(r.commit[:12])}") if r.run_id else ""
+        verdict = html.escape(r.verdict + (f": {r.reason}" if r.reason else ""))
+        body.append(
+            f"<tr><td><b>{html.escape(r.paper)}</b><br><small>{html.escape(r.title)}</small>{claim}</td>"
+            f"<td class='{r.verdict.replace(' ', '-')}'>{verdict}</td><td>{r.replicates}</td><td class='parts'>"
+            f"{'<br>'.join(html.escape(x) for x in r.numbers.splitlines())}{forest}</td><td>{profile}</td>"
+            f"<td>{link}</td></tr>")
+    return ("<!doctype html><meta charset='utf-8'><meta name='viewport' content='width=device-width'>"
+            f"<title>paperline scoreboard</title><style>{_CSS}</style><h1>paperline scoreboard</h1>"
+            f"<p>{html.escape(summary)}. A forest plot shades each part's claimed side of zero.</p>"
+            f"<table><tr>{head}</tr>{''.join(body)}</table>")
 
 
 def _inline_png(path: Path | None) -> str:

@@ -70,8 +70,24 @@ class PaperModel(mlflow.pyfunc.PythonModel):
             raise NotImplementedError(
                 f"no predict for this paper ({self.paper_id}): its method is not a predictor over a table; its "
                 f"trained networks are in .unwrap_python_model().networks ({', '.join(self.networks) or 'none'})")
+        table = pd.DataFrame(model_input)
+        missing = [column for column in PREDICT_COLUMNS[self.paper_id] if column not in table.columns]
+        if missing:
+            has = ", ".join(map(repr, table.columns)) or "none"
+            raise ValueError(f"{self.paper_id} predict: the input table has no column "
+                             f"{', '.join(map(repr, missing))} (it has {has}). {predict_input(self.paper_id)}")
         with torch.no_grad():
-            return fn(self, pd.DataFrame(model_input), params or {})
+            return fn(self, table, params or {})
+
+
+def predict_input(paper_id: str) -> str:
+    """What `predict` takes and returns for this paper (the predictor's docstring), or that it has none: the
+    registered model's description."""
+    fn = PREDICTORS.get(paper_id)
+    if fn is None:
+        return ("No predict: the method is not a predictor over a table; the trained networks are in "
+                "`mlflow.pyfunc.load_model(uri).unwrap_python_model().networks`.")
+    return "predict input: " + " ".join((fn.__doc__ or "").split())
 
 
 def pip_requirements() -> list[str]:
@@ -91,10 +107,30 @@ def save_model(paper_id: str, outputs: Path, path: Path, metadata: dict | None =
     """A train outputs folder as a pyfunc model folder at `path` (what `log_run_model` logs)."""
     # MLflow warns that a Python object is cloudpickled: here it is a reference to this module's class
     # and that it cannot infer a signature from a DataFrame hint without an example: the input is the paper's table
-    with _quiet("mlflow.pyfunc"):
+    signature, example = predict_signature(paper_id)
+    with _quiet("mlflow.pyfunc"), _quiet("mlflow.models"):
         mlflow.pyfunc.save_model(path, python_model=PaperModel(paper_id), artifacts={"outputs": str(outputs)},
-                                 pip_requirements=pip_requirements(),
+                                 pip_requirements=pip_requirements(), signature=signature, input_example=example,
                                  metadata={"paperline.paper": paper_id, **(metadata or {})})
+
+
+def predict_signature(paper_id: str):
+    """The MLflow signature (input columns, predict's params) and an input example of a paper's predict; (None, None)
+    for a paper without one. MLflow checks a table against it before predict runs."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import Array, ColSpec, ParamSchema, ParamSpec, Schema
+
+    if paper_id == "sei":
+        inputs = Schema([ColSpec(Array("double"), "pixels")])
+        params = ParamSchema([ParamSpec("setting", "long", 0)])
+        example = pd.DataFrame({"pixels": [[0.0] * 64]})
+    elif paper_id == "spectral_schedule":
+        inputs = Schema([ColSpec("double", "logA"), ColSpec("double", "alpha"), ColSpec("long", "seed")])
+        params = ParamSchema([ParamSpec("arm", "string", "tight"), ParamSpec("nfe", "long", None)])
+        example = pd.DataFrame({"logA": [0.0], "alpha": [2.0], "seed": [0]})
+    else:
+        return None, None
+    return ModelSignature(inputs=inputs, params=params), example
 
 
 def log_run_model(paper_id: str, run_id: str) -> str:
@@ -162,3 +198,5 @@ def _spectral_schedule(model: PaperModel, table: pd.DataFrame, params: dict) -> 
 
 PREDICTORS: dict[str, Callable[[PaperModel, pd.DataFrame, dict], pd.DataFrame]] = {
     "sei": _sei, "spectral_schedule": _spectral_schedule}
+# the columns each predictor reads: checked before it runs, so a wrong table fails naming what is missing
+PREDICT_COLUMNS: dict[str, tuple[str, ...]] = {"sei": ("pixels",), "spectral_schedule": ("logA", "alpha", "seed")}

@@ -75,8 +75,11 @@ def stage_for(paper: Paper, profile: str, params: PaperParams, raw_params: dict,
     # the profile's real data (models/inputs.py): replacing it reruns prepare, like any other stage input
     deps += [os.path.relpath(p, folder) if p.is_relative_to(root) else str(p)
              for p in (input_path(spec.path) for spec in params.inputs.values())]
+    # the variant's params.yaml is a file dependency, not DVC params: it holds only this variant's resolved params,
+    # so any change reruns the stage all the same, and `dvc params diff` / `dvc exp show` list the project's
+    # params.yaml alone instead of every variant's copy of a paper's params
     stage_spec = {"cmd": f"python -m tasks.prepare_stage {paper.id} params data",
-                  "deps": deps, "params": ["params"], "outs": ["data"]}
+                  "deps": [*deps, "params.yaml"], "outs": ["data"]}
     _write_if_changed(folder / "params.yaml", yaml.safe_dump({"params": params.model_dump(mode="json")},
                                                              sort_keys=True))
     _write_if_changed(folder / "dvc.yaml", yaml.safe_dump({"stages": {"prepare": stage_spec}}, sort_keys=False))

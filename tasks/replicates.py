@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import platform
+import re
 from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
@@ -59,6 +60,12 @@ def machine_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _claimed_op(text: str) -> str:
+    """The comparison of a part as written (`a > b`, `a <= 2 x b + 0.1`): its operator, `>` if none is found."""
+    match = re.search(r"\s(<=|>=|<|>)\s", text)
+    return match[1] if match else ">"
+
+
 def forest_plot(result: ClaimResult, path: Path, title: str) -> Path:
     """Each claim part's effect with its 95 % interval, zero marked: premises, deciding parts and context."""
     import matplotlib
@@ -83,11 +90,17 @@ def forest_plot(result: ClaimResult, path: Path, title: str) -> Path:
                         color=colour, capsize=4)
             lo, hi = part.low, part.high
         span = max(abs(lo), abs(hi), 1e-12) * 1.15
-        ax.set_xlim(min(-span, lo * 1.15), max(span, hi * 1.15))
+        left, right = min(-span, lo * 1.15), max(span, hi * 1.15)
+        ax.set_xlim(left, right)
+        # the side of zero where the part holds, shaded: right of zero for > and >=, left of it for < and <=
+        claimed_negative = _claimed_op(part.text) in ("<", "<=")
+        ax.axvspan(*((left, 0) if claimed_negative else (0, right)), color="tab:green", alpha=0.08, linewidth=0)
+        ax.text(0.99 if not claimed_negative else 0.01, 0.95, "claimed side", transform=ax.transAxes, fontsize=6,
+                color="tab:green", va="top", ha="right" if not claimed_negative else "left")
         ax.axvline(0, color="black", linewidth=0.8)
         ax.set_yticks([])
         label = {"premise": f"premise {part.name}", "context": "context"}.get(part.role, "claim")
-        ax.set_title(f"{label}: {part.effect} -> {part.verdict}", fontsize=7, loc="left")
+        ax.set_title(f"{label}: {part.effect} -> {part.verdict}", fontsize=8, loc="left")
         ax.tick_params(axis="x", labelsize=7)
     fig.suptitle(f"{title}: {result.headline()} ({result.replicates} replicates, 95% t-intervals)", fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)

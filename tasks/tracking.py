@@ -132,6 +132,12 @@ def find_trained(exp_id: str, paper_id: str, profile: str, key: str, data_hash: 
     return runs[0] if runs else None
 
 
+def params_hash(profile: str, raw_params: Mapping) -> str:
+    """The params part of the cache key on its own (the morning report names which part changed)."""
+    blob = json.dumps({"profile": profile, "params": dict(raw_params)}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
 def find_cached(exp_id: str, key: str):
     runs = client().search_runs([exp_id], filter_string=f"tags.`{TAG}cache_key` = '{key}' and "
                                 f"attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"],
@@ -167,10 +173,15 @@ def _git(*args: str, env: dict[str, str] | None = None) -> str:
     return out.stdout.strip()
 
 
+# paperline's own outputs inside the tree (data locks, generated stages, reports it rewrites): never "dirty"
+GENERATED = ("dvc.lock", "variants", "reports")
+
+
 def git_commit() -> str:
-    """HEAD of the code that runs, `-dirty` when tracked files differ from it (dvc.lock and variants are outputs)."""
+    """HEAD of the code that runs, `-dirty` when tracked files other than paperline's outputs differ from it."""
     try:
-        dirty = _git("status", "--porcelain", "--untracked-files=normal", "--", ".", ":!dvc.lock", ":!variants")
+        dirty = _git("status", "--porcelain", "--untracked-files=normal", "--", ".",
+                     *(f":!{path}" for path in GENERATED))
         return _git("rev-parse", "HEAD") + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"

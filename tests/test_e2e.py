@@ -82,6 +82,10 @@ def test_cli_run_prints_claim_line_and_report(workspace, prefect_harness, monkey
     result = CliRunner().invoke(app, ["run", "sei", "--profile", "test", "--report"])
     assert result.exit_code == 0, result.output
     assert "claim sei: method/cnn_auroc >" in result.output
+    assert result.output.startswith("[sei] started (test)")  # said before the checks and start-ups that take seconds
+    run_id = tracking.client().search_runs([tracking.experiment_id("sei")], "tags.`paperline.kind` = 'pipeline'")[0]
+    assert f"/runs/{run_id.info.run_id}?workflowType=machine_learning" in result.output  # the pipeline run's link
+    assert "Prefect flow run http" in result.output
     # an unchanged rerun is answered from MLflow + DVC status alone: no flow is started for it
     import flows.pipeline
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -36,16 +37,30 @@ def test_promotion_rule():
 
 
 def _finished_run(paper: str, value: float, holds: bool, start_ms: int | None = None, data_hash: str = "h",
-                  profile: str = "smoke") -> str:
+                  profile: str = "smoke", replicates: int = 2, lineage: dict[str, str] | None = None) -> str:
+    """A pipeline run as the flow leaves it: the parent (kind `pipeline`, the verdict and the means) and one child
+    run per replicate, each started just after its parent, finished before it, with its own metrics and no verdict."""
     client = tracking.client()
+    start_ms = start_ms or int(time.time() * 1000)
+    metric = registry.get(paper).primary[0]
     run = client.create_run(tracking.experiment_id(paper), start_time=start_ms,
                             tags={"paperline.profile": profile, "paperline.data_hash": data_hash,
-                                  "claim.verdict": "holds" if holds else "does not hold"})
-    client.log_metric(run.info.run_id, registry.get(paper).primary[0], value)
-    client.log_metric(run.info.run_id, "time/total_s", 61.0)
-    client.log_text(run.info.run_id, "weights", "outputs/model.txt")
-    client.set_terminated(run.info.run_id, "FINISHED", end_time=(start_ms or int(time.time() * 1000)) + 1)
-    return run.info.run_id
+                                  "paperline.kind": "pipeline", **(lineage or {})})
+    parent = run.info.run_id
+    for index in range(replicates):
+        child = client.create_run(run.info.experiment_id, start_time=start_ms + 100 * (index + 1),
+                                  tags={"mlflow.parentRunId": parent, "paperline.kind": "replicate",
+                                        "paperline.replicate": str(index), "paperline.profile": profile,
+                                        "paperline.data_hash": data_hash}).info.run_id
+        client.log_metric(child, metric, value + 0.01 * index)
+        client.log_metric(child, "time/train_s", 20.0)
+        client.set_terminated(child, "FINISHED", end_time=start_ms + 100 * (index + 2))
+    client.set_tag(parent, "claim.verdict", "holds" if holds else "does not hold")
+    client.log_metric(parent, metric, value)
+    client.log_metric(parent, "time/total_s", 61.0)
+    client.log_text(parent, "weights", "outputs/model.txt")
+    client.set_terminated(parent, "FINISHED", end_time=start_ms + 100 * (replicates + 3))
+    return parent
 
 
 def test_versions_and_aliases_in_the_mlflow_registry(workspace):
@@ -70,26 +85,49 @@ def test_versions_and_aliases_in_the_mlflow_registry(workspace):
         lifecycle.promote("sei", "99")
 
 
-def test_morning_report_flags_flips_first_and_explains_skips(workspace):
+def test_morning_report_reads_pipeline_runs_not_their_replicates(workspace):
     day_ago = int((time.time() - 30 * 3600) * 1000)
-    lifecycle.register_and_promote("sei", _finished_run("sei", 0.90, False, start_ms=day_ago))
-    _finished_run("sei", 0.95, True)  # retrained last night, and now the claim holds
+    lineage = {"paperline.code_hash": "c", "paperline.params_hash": "p", "paperline.forced": "false"}
+    before = _finished_run("sei", 0.90, False, start_ms=day_ago, lineage=lineage)
+    lifecycle.register_and_promote("sei", before)
+    # an override run in between is not the run before of the default one
+    _finished_run("sei", 0.99, True, start_ms=day_ago + 1000, lineage={**lineage, "paperline.overrides": "epochs=1",
+                                                                          "paperline.params_hash": "o"})
+    now = _finished_run("sei", 0.95, True, lineage={**lineage, "paperline.params_hash": "q"})  # retrained last night
     reused = _finished_run("qubo_relax", 0.5, False, start_ms=day_ago)
     tracking.mark_reused(reused)  # the nightly run found it unchanged
+    _finished_run("pacer", 0.4, True, start_ms=day_ago, lineage=lineage)
+    _finished_run("pacer", 0.4, True, lineage={**lineage, "paperline.forced": "true"})
 
     lines = {ln.paper: ln for ln in morning.morning(24 * 3600)}
-    sei, qubo = lines["sei"], lines["qubo_relax"]
-    assert sei.status == "retrained" and sei.flipped and (sei.verdict_before, sei.verdict_now) == ("does not hold",
-                                                                                                   "holds")
-    assert sei.delta == pytest.approx(0.05) and sei.champion_version == "1" and sei.wall_s == 61.0
+    sei, qubo, pacer = lines["sei"], lines["qubo_relax"], lines["pacer"]
+    assert sei.status == "retrained" and sei.why == "params changed"
+    # the pipeline run, not its newest replicate: its verdict, its wall time, the run before it and its own link
+    assert sei.flipped and (sei.verdict_before, sei.verdict_now) == ("does not hold", "holds")
+    assert sei.wall_s == 61.0 and sei.run_url.split("/runs/")[1].startswith(now)
+    assert sei.delta == pytest.approx(0.05) and sei.champion_version == "1"
+    assert pacer.status == "retrained" and pacer.why == "--force" and not pacer.flipped
     assert qubo.status == "skipped" and "unchanged" in qubo.why and not qubo.flipped
-    assert lines["pacer"].status == "not run"
+    assert lines["stp"].status == "not run"
     ordered = [ln.paper for ln in morning.morning(24 * 3600)]
     assert ordered[0] == "sei"  # the flip comes first
     md, page = morning.write(morning.morning(24 * 3600), "24h")
-    assert "**FLIP** holds" in md.read_text() and "data:image/png;base64" in page.read_text()
+    assert "| sei | retrained (params changed) | **FLIP** holds | does not hold |" in md.read_text()
+    assert "data:image/png;base64" in page.read_text()
     with pytest.raises(registry.ConfigError, match="--since"):
         morning.parse_window("yesterday")
+
+
+def test_retrain_reason_names_the_changed_parts():
+    def run(**tags):
+        return SimpleNamespace(data=SimpleNamespace(tags=tags))
+
+    base = {"paperline.code_hash": "c", "paperline.params_hash": "p", "paperline.data_hash": "d"}
+    assert morning.retrain_reason(run(**{**base, "paperline.data_hash": "e"}), run(**base)) == "data changed"
+    both = run(**{**base, "paperline.code_hash": "x", "paperline.data_hash": "e"})
+    assert morning.retrain_reason(both, run(**base)) == "code and data changed"
+    assert morning.retrain_reason(run(**base), None) == "first run of this profile"
+    assert "or --force" in morning.retrain_reason(run(**base), run())  # a run from before the hashes were tagged
 
 
 @pytest.mark.e2e

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -43,3 +44,19 @@ def test_verdicts_new_tag_first_then_old(workspace):
     assert "inconclusive" in out.stdout and "sei" in out.stdout
     imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time")}
     assert not {"torch", "mlflow", "prefect", "deepspeed"} & imported  # what made the first list take 12.7 s
+    assert not {"dvc", "models.contract", "models.sei"} & imported  # nor DVC, the contract or a paper (~0.3 s)
+
+
+def test_titles_are_cached_by_module_size_and_mtime(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAPERLINE_ROOT", str(tmp_path))
+    cache_file = tmp_path / ".cache" / "titles.json"
+    assert listing.titles(["sei", "tbik"]) == {pid: registry.get(pid).title for pid in ("sei", "tbik")}
+    cached = json.loads(cache_file.read_text())
+    stat = registry.module_file("sei").stat()
+    assert cached["sei"] == [stat.st_size, stat.st_mtime_ns, registry.get("sei").title]
+    cached["sei"][2] = "read from the cache"
+    cache_file.write_text(json.dumps(cached))
+    assert listing.titles(["sei"])["sei"] == "read from the cache"  # same stamp: the module is not parsed
+    cached["sei"][1] -= 1  # the module changed since
+    cache_file.write_text(json.dumps(cached))
+    assert listing.titles(["sei"])["sei"] == registry.get("sei").title

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from flows import lifecycle
+from flows import lifecycle, serving
 from models import registry
 from models.common.tables import read_table
 from tasks import settings, tracking
@@ -88,6 +88,11 @@ def test_champion_loads_as_mlflow_pyfunc(paper_id, workspace, monkeypatch, tmp_p
         assert len(pred) == 16 and pred["label"].between(0, 9).all()
         probs = pred[[c for c in pred.columns if c.startswith("p")]].to_numpy()
         assert abs(probs.sum(1) - 1).max() < 1e-5
+        wrong = pd.DataFrame({"image": list(table["pixels"][:2])})
+        with pytest.raises(Exception, match="pixels"):  # MLflow checks the table against the signature first
+            model.predict(wrong)
+        with pytest.raises(ValueError, match="no column 'pixels'.*predict input: SEI's downstream classifier"):
+            unwrapped.predict(None, wrong)
     elif paper_id == "spectral_schedule":
         spectra = read_table(data_dir / "spectra.parquet")
         table = pd.DataFrame({"logA": spectra["logA"][:3], "alpha": spectra["alpha"][:3], "seed": [7, 8, 7]})
@@ -97,6 +102,14 @@ def test_champion_loads_as_mlflow_pyfunc(paper_id, workspace, monkeypatch, tmp_p
         assert all(np.isfinite(x).all() for x in images["pixels"])
         again = model.predict(table.iloc[[0]], params={"nfe": 3})  # a seed names its sample
         assert np.array_equal(again["pixels"][0], images["pixels"][0])
+        with pytest.raises(ValueError, match="no column 'alpha', 'seed'"):
+            unwrapped.predict(None, table[["logA"]])
     else:
         with pytest.raises(NotImplementedError, match="no predict for this paper"):
             model.predict(pd.DataFrame({"x": [0.0]}))
+    # what predict takes is on the registered model, its versions and (where it has one) the model's signature
+    client = tracking.client()
+    described = client.get_registered_model(lifecycle.model_name(paper_id)).description
+    assert paper.title in described and client.get_model_version(lifecycle.model_name(paper_id), version).description
+    signature = model.metadata.get_input_schema()
+    assert (signature.input_names() if signature else []) == list(serving.PREDICT_COLUMNS.get(paper_id, []))
