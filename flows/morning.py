@@ -123,7 +123,9 @@ def paper_line(paper_id: str, since_ms: int, profile: str) -> Line:
 
 
 # what the cache key is made of, each recorded on the pipeline run (flows/pipeline.py, `_open_run`)
-_KEY_PARTS = (("code", "paperline.code_hash"), ("params", "paperline.params_hash"), ("data", "paperline.data_hash"))
+# (code: what training imports; claim: the claim and the decision rule, which re-decide without training)
+_KEY_PARTS = (("code", "paperline.code_hash"), ("params", "paperline.params_hash"), ("data", "paperline.data_hash"),
+              ("claim", "paperline.claim_hash"))
 
 
 def retrain_reason(run, before) -> str:
@@ -135,9 +137,9 @@ def retrain_reason(run, before) -> str:
     if before is None:
         return "first run of this profile"
     old = before.data.tags
-    if any(key not in tags or key not in old for _, key in _KEY_PARTS):
+    if any(key not in tags or key not in old for _, key in _KEY_PARTS[:3]):
         return "code, params or data changed, or --force"
-    changed = [part for part, key in _KEY_PARTS if tags[key] != old[key]]
+    changed = [part for part, key in _KEY_PARTS if tags.get(key) != old.get(key)]
     return (" and ".join(changed) + " changed") if changed else "same code, params and data as the run before"
 
 

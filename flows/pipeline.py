@@ -29,8 +29,9 @@ from flows import lifecycle, morning  # noqa: E402
 from flows.cache import PipelineResult  # noqa: E402
 from flows.report import ui_url  # noqa: E402
 from models import registry  # noqa: E402
+from models.contract import PaperParams  # noqa: E402, F401 (Prefect resolves RunRequest.params here)
 from models.registry import RunRequest  # noqa: E402
-from tasks import quiet, settings, tracking, train  # noqa: E402
+from tasks import keys, quiet, settings, tracking, train  # noqa: E402
 from tasks.context import send_pending  # noqa: E402
 from tasks.steps import conclude, evaluate_task, prepare_task, recorded_metrics, train_task  # noqa: E402
 from tasks.train import TrainJob  # noqa: E402
@@ -272,7 +273,8 @@ def lineage_tags(request: RunRequest, force: bool, commit: str) -> dict[str, str
     morning report can say which one made a paper retrain."""
     return {"mlflow.source.name": f"flows/pipeline.py @ {commit[:12]}{'-dirty' if commit.endswith('-dirty') else ''}",
             "mlflow.source.type": "LOCAL",
-            "paperline.code_hash": tracking.code_hash(registry.module_file(request.paper)),
+            "paperline.code_hash": keys.training_hash(registry.module_file(request.paper)),
+            "paperline.claim_hash": keys.verdict_hash(registry.module_file(request.paper)),
             "paperline.params_hash": tracking.params_hash(request.profile, request.raw),
             "paperline.forced": str(bool(force)).lower()}
 
