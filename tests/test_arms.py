@@ -35,12 +35,12 @@ def _batch(step: int) -> dict[str, torch.Tensor]:
 
 def train_phase(out_dir: Path, zero_stage: int, names: tuple[str, ...], *, arms: bool = True,
                 grad_clip: float | None = 0.5, rank: int = 0, world_size: int = 1, lrs: list | None = None,
-                **schedule) -> None:
+                checkpoint_every: int = 100, **schedule) -> None:
     """One phase over arms `names` ("a" trains on loss x 1, "b" on loss x 1,000), saved by `fit` in `out_dir`.
     `arms=False`: the same networks as one engine clipped together (the coupling arms remove)."""
     from tasks.context import TrainContext
 
-    ctx = TrainContext(params=PaperParams(zero_stage=zero_stage, checkpoint_every=int(os.environ.get("EVERY", 100))),
+    ctx = TrainContext(params=PaperParams(zero_stage=zero_stage, checkpoint_every=checkpoint_every),
                        data_dir=out_dir, out_dir=out_dir, rank=rank, world_size=world_size)
     model = nn.ModuleDict({n: _net(seed) for n, seed in (("a", 1), ("b", 2)) if n in names})
     engine = ctx.engine(model, 1e-2, 0.01, arms=dict(model.items()) if arms else None, grad_clip=grad_clip,
