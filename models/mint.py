@@ -395,7 +395,7 @@ def train(ctx) -> None:
         return sum(losses.values()), {f"{s}/td": float(v.detach()) for s, v in losses.items()}
 
     ctx.progress(f"double DQN, {p.n_seeds} seed(s) in lock-step: {n_updates} vector steps x {p.n_envs} envs")
-    engine = ctx.engine(model, p.lr)
+    engine = ctx.engine(model, p.lr, arms=model)
     ctx.fit("dqn", engine, dqn_step, dqn_batch, n_updates, state=state)
 
     def u_batches(step: int) -> dict[str, torch.Tensor]:
