@@ -395,7 +395,8 @@ def train(ctx) -> None:
         return bce + cos, {"bce": float(bce.detach()), "cosine_loss": float(cos.detach())}
 
     ctx.progress(f"heads: {len(tr['label'])} trace positions, {float(tr['label'].mean()):.2f} positive")
-    ctx.fit("heads", ctx.engine(heads, p.head_lr), head_step, head_batch, p.head_steps)
+    engine = ctx.engine(heads, p.head_lr, arms={"predictor": heads.predictor, "query": heads.query})
+    ctx.fit("heads", engine, head_step, head_batch, p.head_steps)
     if ctx.rank == 0:
         torch.save({"lm": lm.state_dict(), "heads": heads.state_dict()}, ctx.out_dir / "async_rag.pt")
 

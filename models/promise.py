@@ -509,7 +509,9 @@ def train(ctx) -> None:
     torch.manual_seed(p.seed)
     systems = Systems(p)
     ctx.progress(f"phase systems: (a) det + (b) gen in lock-step, {len(rows)} rows, {p.steps} steps")
-    ctx.fit("systems", ctx.engine(systems, p.lr), step_fn, batch_fn, p.steps)
+    arms = {"det": [*systems.det_trunk.parameters(), *systems.det.parameters()],  # (a) and (b), each alone
+            "gen": [*systems.gen_trunk.parameters(), *systems.gen.parameters()]}
+    ctx.fit("systems", ctx.engine(systems, p.lr, arms=arms), step_fn, batch_fn, p.steps)
 
     systems.eval()
     torch.manual_seed(p.seed + 1)  # the same initialisation for (c) whatever (a)+(b) consumed

@@ -328,7 +328,8 @@ def train(ctx) -> None:
 
     ctx.progress(", ".join(f"{w}: {len(arms)} arms ({', '.join(arms)})" for w, (_, arms) in _worlds(p).items())
                  + f" in lock-step, {p.steps} steps of batch {p.batch_size}")
-    ctx.fit("arms", ctx.engine(model, p.lr), step_fn, batch_fn, p.steps)
+    arms = {f"{w}/{a}": net for w, world in model.worlds.items() for a, net in world.nets.items()}
+    ctx.fit("arms", ctx.engine(model, p.lr, arms=arms), step_fn, batch_fn, p.steps)
     if ctx.rank == 0:
         torch.save(model.state_dict(), ctx.out_dir / "arms.pt")
 
