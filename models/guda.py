@@ -241,10 +241,11 @@ def train(ctx) -> None:
     d = _load(ctx.data_dir, p)
     phase1 = Phase1(p)
     ctx.progress(f"phase 1: theta*, {p.n_groups * p.logo_seeds} LOGO retrainings and the classifier in lock-step")
-    ctx.fit("full_logo", ctx.engine(phase1, p.lr), _step_fn, _batches(p, d, p.seed, False), p.steps)
+    engine = ctx.engine(phase1, p.lr, arms={**phase1.nets, "classifier": phase1.classifier})
+    ctx.fit("full_logo", engine, _step_fn, _batches(p, d, p.seed, False), p.steps)
     unlearn = Unlearn(p, phase1.nets["full_s0"].state_dict())
     ctx.progress(f"phase 2: {p.n_groups} unlearning copies of theta*, {p.unlearn_steps} steps")
-    ctx.fit("unlearn", ctx.engine(unlearn, p.unlearn_lr), _step_fn, _batches(p, d, p.seed + 1, True),
+    ctx.fit("unlearn", ctx.engine(unlearn, p.unlearn_lr, arms=unlearn.nets), _step_fn, _batches(p, d, p.seed + 1, True),
             p.unlearn_steps)
     if ctx.rank == 0:
         torch.save({"phase1": phase1.state_dict(), "unlearn": unlearn.state_dict()}, ctx.out_dir / "models.pt")

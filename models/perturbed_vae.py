@@ -516,7 +516,7 @@ def train(ctx) -> None:
 
     ctx.progress(f"phase fit: {len(model.nets)} networks in lock-step over {len(worlds)} world(s), {p.steps} steps, "
                  f"{len(rows[''])} training cells")
-    ctx.fit("fit", ctx.engine(model, p.lr), step_fn, batch_fn, p.steps)
+    ctx.fit("fit", ctx.engine(model, p.lr, arms=model.nets), step_fn, batch_fn, p.steps)
     if ctx.rank == 0:
         torch.save(model.state_dict(), ctx.out_dir / "model.pt")
 

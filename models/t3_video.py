@@ -402,7 +402,7 @@ def train(ctx) -> None:
         b = batch_fn(subset, 7_777_777)(step)
         return {"high": b["high"], "c": b["c"]}
 
-    ctx.fit("retrofit", ctx.engine(retro, p.retrofit_lr), step_fn, retro_batch, p.retrofit_steps)
+    ctx.fit("retrofit", ctx.engine(retro, p.retrofit_lr, arms=retro.arms), step_fn, retro_batch, p.retrofit_steps)
     if ctx.rank == 0:
         torch.save({"pretrain": pre.state_dict(), "retrofit": retro.state_dict()}, ctx.out_dir / "model.pt")
 
