@@ -380,8 +380,10 @@ def train(ctx) -> None:
     torch.manual_seed(p.seed)
     b, frames = p.batch_size, p.n_frames
     model = Pipeline(p)
-    engine = ctx.engine(model, p.lr)
     teachers = model.teachers
+    arms = {"T_bi": teachers.bi, "T_ar": teachers.ar, "classifier": teachers.cls,
+            **{f"{part}_{k}": net for part in ("students", "gens", "fakes") for k, net in getattr(model, part).items()}}
+    engine = ctx.engine(model, p.lr, arms=arms)
 
     def teacher_batch(step: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(p.seed * 100_003 + step)
