@@ -461,8 +461,6 @@ def train(ctx) -> None:
     ctx.progress(f"DMD: {p.dmd_steps} generator steps x {p.fake_updates} fake steps per arm (Self Forcing rollout)")
     start_stage(engine, p.dmd_lr, model, model.fakes)
     ctx.fit("dmd", engine, dmd_step, dmd_batch, p.dmd_steps * cycle, log_every=cycle)
-    if ctx.rank == 0:
-        torch.save(model.state_dict(), ctx.out_dir / "model.pt")
 
 
 # ---- evaluation ----------------------------------------------------------------------------------------------
@@ -525,9 +523,7 @@ def ode_residual(student: FrameTransformer, states: torch.Tensor, clean: torch.T
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     d = load_clips(ctx.data_dir)
-    model = Pipeline(p)
-    model.load_state_dict(torch.load(ctx.out_dir / "model.pt", weights_only=True))
-    model.eval()
+    model = ctx.network("dmd")  # the whole pipeline after its last stage
     teachers, students, gens = model.teachers, model.students, model.gens
 
     eps, prompt = pair_noise(p, p.n_eval, 2)
