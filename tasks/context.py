@@ -130,10 +130,11 @@ def _scheduler_config(lr: float, steps: int | None, warmup: int, decay: str) -> 
 
 
 def _arm_groups(model: torch.nn.Module, arms: Mapping[str, Any] | None, clip: float) -> list[dict]:
-    """The optimizer's param groups: one per arm (each with its own clip), or the whole model as one."""
+    """The optimizer's param groups: one per arm with trainable parameters (each with its own clip), or the whole
+    model as one."""
+    if arms is None:  # as a plain AdamW over model.parameters() has it; DeepSpeed clips the whole model
+        return [{"params": list(model.parameters()), "name": "model", "max_norm": 0.0}]
     trainable = [q for q in model.parameters() if q.requires_grad]
-    if arms is None:
-        return [{"params": trainable, "name": "model", "max_norm": 0.0}]  # DeepSpeed clips the whole model
     if not arms:
         raise ValueError("arms={}: name at least one arm")
     owner: dict[int, str] = {}
@@ -144,7 +145,8 @@ def _arm_groups(model: torch.nn.Module, arms: Mapping[str, Any] | None, clip: fl
             if id(q) in owner:
                 raise ValueError(f"arms {owner[id(q)]!r} and {name!r} share parameters: each arm trains its own")
             owner[id(q)] = name
-        groups.append({"params": params, "name": name, "max_norm": clip})
+        if params:  # a wholly frozen arm has nothing to step
+            groups.append({"params": params, "name": name, "max_norm": clip})
     names = {id(q): n for n, q in model.named_parameters()}
     strays = sorted({arm for key, arm in owner.items() if key not in names})
     if strays:
