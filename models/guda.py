@@ -248,7 +248,6 @@ def train(ctx) -> None:
     ctx.fit("unlearn", ctx.engine(unlearn, p.unlearn_lr, arms=unlearn.nets), _step_fn, _batches(p, d, p.seed + 1, True),
             p.unlearn_steps)
     if ctx.rank == 0:
-        torch.save({"phase1": phase1.state_dict(), "unlearn": unlearn.state_dict()}, ctx.out_dir / "models.pt")
         # theta* samples in fp32 where it trained (a GPU run leaves it on the GPU, in bf16 under DeepSpeed's bf16)
         net, weight = phase1.nets["full_s0"].eval(), next(phase1.nets["full_s0"].parameters())
         if weight.dtype != torch.float32:
@@ -364,11 +363,7 @@ def attribution_scores(p: Params, phase1: Phase1, unlearn: Unlearn, gen: torch.T
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     d = _load(ctx.data_dir, p)
-    saved = torch.load(ctx.out_dir / "models.pt", weights_only=True)
-    phase1, unlearn = Phase1(p), Unlearn(p, Phase1(p).nets["full_s0"].state_dict())
-    phase1.load_state_dict(saved["phase1"])
-    unlearn.load_state_dict(saved["unlearn"])
-    phase1.eval(), unlearn.eval()
+    phase1, unlearn = ctx.network("full_logo"), ctx.network("unlearn")
     gen = torch.from_numpy(read_table(ctx.out_dir / "generated.parquet")["pixels"]).view(-1, *SHAPES[p.dataset])
     ab = phase1.alphas_cumprod
     w = dm.ddpm_elbo_weights(ab)
