@@ -1,9 +1,9 @@
 """Each run's trained model as an MLflow model: a pyfunc whose context restores the paper's trained networks.
 
 `log_run_model(paper_id, run_id)` packs the run's `outputs/` (what train saved, including every training phase's
-network, `network.<phase>.pt`, written by `TrainContext.fit`) into an MLflow pyfunc model under the run's `model/`
-artifact, with explicit pip requirements (no requirement inference at log time: seconds). The model registry's
-versions point at it, so
+network, `network.<phase>.pt`, and its EMA copy `network.<phase>.ema.pt` where the phase keeps one, written by
+`TrainContext.fit`) into an MLflow pyfunc model under the run's `model/` artifact, with explicit pip requirements
+(no requirement inference at log time: seconds). The model registry's versions point at it, so
 
     model = mlflow.pyfunc.load_model("models:/paperline-sei@champion-smoke")
     model.unwrap_python_model().networks      # {"detect": LockStep(...), "downstream": LockStep(...)}
@@ -36,29 +36,37 @@ MODEL_ARTIFACT = "model"  # the pyfunc model's folder among the run's artifacts
 NETWORK_PREFIX = "network."  # outputs/network.<phase>.pt: one per ctx.fit phase
 
 
-def load_networks(outputs: Path) -> dict[str, torch.nn.Module | dict]:
+EMA_SUFFIX = ".ema.pt"  # outputs/network.<phase>.ema.pt: the EMA copy of a phase that keeps one
+
+
+def load_networks(outputs: Path, ema: bool = False) -> dict[str, torch.nn.Module | dict]:
     """The trained networks a run saved, by training phase: the module itself, or (a module that could not be
-    pickled) its state dict."""
+    pickled) its state dict; `ema`: the EMA copies of the phases that keep one, by the same phase names."""
     networks = {}
     for path in sorted(outputs.glob(f"{NETWORK_PREFIX}*.pt")):
+        if path.name.endswith(EMA_SUFFIX) != ema:
+            continue
         saved = torch.load(path, map_location="cpu", weights_only=False)
-        phase = path.name.removeprefix(NETWORK_PREFIX).removesuffix(".pt")
+        phase = path.name.removeprefix(NETWORK_PREFIX).removesuffix(EMA_SUFFIX if ema else ".pt")
         networks[phase] = saved["module"].eval() if "module" in saved else saved["state_dict"]
     return networks
 
 
 class PaperModel(mlflow.pyfunc.PythonModel):
-    """A paper's trained model. After `load_context`: `networks` (phase -> module), `outputs` (the run's train
-    outputs folder: records and result files), `paper_id`."""
+    """A paper's trained model. After `load_context`: `networks` (phase -> module), `ema_networks` (phase -> the
+    EMA copy, for phases that keep one), `outputs` (the run's train outputs folder: records and result files),
+    `paper_id`."""
 
     def __init__(self, paper_id: str):
         self.paper_id = paper_id
         self.networks: dict[str, torch.nn.Module | dict] = {}
+        self.ema_networks: dict[str, torch.nn.Module | dict] = {}
         self.outputs: Path | None = None
 
     def load_context(self, context) -> None:
         self.outputs = Path(context.artifacts["outputs"])
         self.networks = load_networks(self.outputs)
+        self.ema_networks = load_networks(self.outputs, ema=True)
 
     @property
     def modules(self) -> dict[str, torch.nn.Module]:

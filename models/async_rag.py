@@ -395,9 +395,8 @@ def train(ctx) -> None:
         return bce + cos, {"bce": float(bce.detach()), "cosine_loss": float(cos.detach())}
 
     ctx.progress(f"heads: {len(tr['label'])} trace positions, {float(tr['label'].mean()):.2f} positive")
-    ctx.fit("heads", ctx.engine(heads, p.head_lr), head_step, head_batch, p.head_steps)
-    if ctx.rank == 0:
-        torch.save({"lm": lm.state_dict(), "heads": heads.state_dict()}, ctx.out_dir / "async_rag.pt")
+    engine = ctx.engine(heads, p.head_lr, arms={"predictor": heads.predictor, "query": heads.query})
+    ctx.fit("heads", engine, head_step, head_batch, p.head_steps)
 
 
 # ---- serving on a wall clock: the method and every baseline arm ---------------------------------------------------
@@ -549,13 +548,8 @@ class Server:
 
 
 # ---- evaluation ----------------------------------------------------------------------------------------------------
-def _load_models(ctx, d: dict) -> tuple[TinyLM, Heads]:
-    p: Params = ctx.params
-    state = torch.load(ctx.out_dir / "async_rag.pt", weights_only=True)
-    lm, heads = _lm(p, len(d["vocab"])), Heads(p.d_model)
-    lm.load_state_dict(state["lm"])
-    heads.load_state_dict(state["heads"])
-    return lm.eval(), heads.eval()
+def _load_models(ctx) -> tuple[TinyLM, Heads]:
+    return ctx.network("generator"), ctx.network("heads")
 
 
 def lead_times(score: np.ndarray, entropy: np.ndarray, item: np.ndarray, pos: np.ndarray, fire: float, p: Params):
@@ -595,7 +589,7 @@ def _serve_all(ctx, p: Params, d: dict, lm: TinyLM, heads: Heads, test: list[dic
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     d = _load(ctx.data_dir)
-    lm, heads = _load_models(ctx, d)
+    lm, heads = _load_models(ctx)
     test = [it for it in d["items"] if it["split"] == "test"]
     tr = traces(lm, test, d["vocab"].stoi["<a>"], p)
     logit, qvec = heads(tr["pred_x"], tr["query_x"])

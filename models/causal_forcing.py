@@ -380,8 +380,10 @@ def train(ctx) -> None:
     torch.manual_seed(p.seed)
     b, frames = p.batch_size, p.n_frames
     model = Pipeline(p)
-    engine = ctx.engine(model, p.lr)
     teachers = model.teachers
+    arms = {"T_bi": teachers.bi, "T_ar": teachers.ar, "classifier": teachers.cls,
+            **{f"{part}_{k}": net for part in ("students", "gens", "fakes") for k, net in getattr(model, part).items()}}
+    engine = ctx.engine(model, p.lr, arms=arms)
 
     def teacher_batch(step: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(p.seed * 100_003 + step)
@@ -459,8 +461,6 @@ def train(ctx) -> None:
     ctx.progress(f"DMD: {p.dmd_steps} generator steps x {p.fake_updates} fake steps per arm (Self Forcing rollout)")
     start_stage(engine, p.dmd_lr, model, model.fakes)
     ctx.fit("dmd", engine, dmd_step, dmd_batch, p.dmd_steps * cycle, log_every=cycle)
-    if ctx.rank == 0:
-        torch.save(model.state_dict(), ctx.out_dir / "model.pt")
 
 
 # ---- evaluation ----------------------------------------------------------------------------------------------
@@ -523,9 +523,7 @@ def ode_residual(student: FrameTransformer, states: torch.Tensor, clean: torch.T
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     d = load_clips(ctx.data_dir)
-    model = Pipeline(p)
-    model.load_state_dict(torch.load(ctx.out_dir / "model.pt", weights_only=True))
-    model.eval()
+    model = ctx.network("dmd")  # the whole pipeline after its last stage
     teachers, students, gens = model.teachers, model.students, model.gens
 
     eps, prompt = pair_noise(p, p.n_eval, 2)

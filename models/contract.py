@@ -57,7 +57,9 @@ class TrainContext(Protocol):
     world_size: int
     device: torch.device
 
-    def engine(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0) -> Any: ...
+    def engine(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0, *,
+               arms: Mapping[str, Any] | None = None, grad_clip: float | None = 1.0, steps: int | None = None,
+               warmup: int = 0, decay: str = "constant", ema: float | None = None) -> Any: ...
     def fit(self, name: str, engine: Any, step_fn: Callable, batch_fn: Callable, num_steps: int,
             state: dict[str, torch.Tensor] | None = None, log_every: int = 10) -> None: ...
     def log(self, metrics: Mapping[str, float], step: int) -> None: ...
@@ -73,6 +75,7 @@ class EvalContext(Protocol):
     out_dir: Path  # holds what train() saved
     plots_dir: Path
 
+    def network(self, phase: str, ema: bool = False) -> torch.nn.Module: ...  # what ctx.fit saved of that phase
     def progress(self, message: str) -> None: ...
 
 

@@ -300,9 +300,8 @@ def train(ctx) -> None:
 
     model = Everything(p)
     ctx.progress(f"phase joint: {len(model.models)} world models + digit classifier in lock-step, {p.steps} steps")
-    ctx.fit("joint", ctx.engine(model, p.lr), step_fn, batch_fn, p.steps)
-    if ctx.rank == 0:
-        torch.save(model.state_dict(), ctx.out_dir / "model.pt")
+    engine = ctx.engine(model, p.lr, arms={**model.models, "digits": model.digits})
+    ctx.fit("joint", engine, step_fn, batch_fn, p.steps)
 
 
 # ---- evaluation ----------------------------------------------------------------------------------------------
@@ -361,9 +360,7 @@ def plan(model: nn.Module, o0: torch.Tensor, goal: torch.Tensor, steps: int, p: 
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     d = load_videos(ctx.data_dir)
-    everything = Everything(p)
-    everything.load_state_dict(torch.load(ctx.out_dir / "model.pt", weights_only=True))
-    everything.eval()
+    everything = ctx.network("joint")
     test_ids = torch.nonzero(d["is_test"]).flatten()
     t_len, g = d["x"].shape[1], torch.Generator().manual_seed(p.seed + 11)
     n = p.eval_pairs

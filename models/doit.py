@@ -70,7 +70,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from models.common.rl import env_dims, run_episodes
+from models.common.rl import env_dims, reference_controller, run_episodes
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
 from models.inputs import input_path
@@ -113,19 +113,6 @@ class Params(PaperParams):
 
 
 # ---- data -----------------------------------------------------------------------------------------------------
-def expert_action(env_id: str, obs: np.ndarray) -> np.ndarray:
-    """The clean controller: energy pumping then a PD hold (Pendulum); bang-bang on velocity (mountain car)."""
-    if env_id.startswith("Pendulum"):
-        c, s, w = obs[:, 0], obs[:, 1], obs[:, 2]
-        energy = 0.5 * w**2 + 15 * c  # conserved by the unforced pendulum; 15 at rest upright
-        swing = np.clip(0.3 * (15 - energy) * np.sign(w + 1e-6), -2, 2)
-        hold = np.clip(-(10 * np.arctan2(s, c) + 3 * w), -2, 2)
-        return np.where((c > 0.9) & (np.abs(w) < 3), hold, swing)[:, None]
-    if env_id.startswith("MountainCar"):
-        return np.where(obs[:, 1:2] >= 0, 1.0, -1.0)
-    raise ValueError(f"no reference controller for {env_id}")
-
-
 def load_d4rl(path: str | Path) -> dict[str, np.ndarray]:
     """A D4RL HDF5 file (observations, actions, rewards, terminals, timeouts) -> transitions with episode ids."""
     import h5py
@@ -155,7 +142,7 @@ def _generate(env_id: str, p: Params, k: int) -> dict[str, np.ndarray]:
 
     def policy(obs: np.ndarray, t: int) -> np.ndarray:
         rng = np.random.default_rng([p.seed, k, 2, t])
-        noisy = expert_action(env_id, obs) + p.action_noise * rng.standard_normal((len(obs), act_dim))
+        noisy = reference_controller(env_id, obs) + p.action_noise * rng.standard_normal((len(obs), act_dim))
         return np.clip(np.where(is_random[:, None], rng.uniform(-high, high, (len(obs), act_dim)), noisy),
                        -high, high)
 
@@ -203,7 +190,7 @@ def prepare(p: Params, out_dir: Path) -> None:
             seeds = [10_000 + s for s in range(p.ref_episodes)]
             rand = lambda o, t, a=act_dim, h=high: np.random.default_rng([p.seed, t]).uniform(-h, h, (len(o), a))  # noqa: E731
             lo = float(run_episodes(env_id, rand, seeds, p.eval_horizon)["returns"].mean())
-            hi = float(run_episodes(env_id, lambda o, t, e=env_id: expert_action(e, o), seeds,
+            hi = float(run_episodes(env_id, lambda o, t, e=env_id: reference_controller(e, o), seeds,
                                     p.eval_horizon)["returns"].mean())
         refs["random_return"].append(lo)
         refs["expert_return"].append(hi)
@@ -367,7 +354,7 @@ def train(ctx) -> None:
         return total, metrics
 
     ctx.progress(f"behaviour diffusion + IQL on {envs} and the toy model, {p.steps} steps in one engine")
-    ctx.fit("all", ctx.engine(model, p.lr), step_fn, batch_fn, p.steps)
+    ctx.fit("all", ctx.engine(model, p.lr, arms=model), step_fn, batch_fn, p.steps)
     if ctx.rank == 0:
         torch.save({"state": model.state_dict(), "dims": dims}, ctx.out_dir / "model.pt")
 
@@ -529,7 +516,7 @@ def critic_rank_acc(nets: EnvNets, env_id: str, s: torch.Tensor, a_data: torch.T
     idx = torch.randint(0, len(s), (n,), generator=g)
     states = s[idx]
     try:
-        good = torch.from_numpy(expert_action(env_id, states.numpy()).astype(np.float32)) / nets.high
+        good = torch.from_numpy(reference_controller(env_id, states.numpy()).astype(np.float32)) / nets.high
     except ValueError:  # no reference controller: the behaviour data's own action
         good = a_data[idx]
     rand = torch.rand(good.shape, generator=g) * 2 - 1

@@ -472,7 +472,7 @@ def train(ctx) -> None:
 
     ctx.progress(f"{len(model.nets)} networks in lock-step ({', '.join(MODELS)} x {p.n_seeds} seeds), "
                  f"{len(rows['label'])} training pairs")
-    ctx.fit("sgg", ctx.engine(model, p.lr), step_fn, batch_sampler(rows, p), p.steps)
+    ctx.fit("sgg", ctx.engine(model, p.lr, arms=model.nets), step_fn, batch_sampler(rows, p), p.steps)
     if ctx.rank == 0:
         torch.save({"state": model.state_dict(), "fb": fb}, ctx.out_dir / "model.pt")
 

@@ -368,9 +368,7 @@ def train(ctx) -> None:
 
     model = Models(p)
     ctx.progress(f"phase joint: DynaTok + 3 baselines in lock-step, {p.steps} steps of {p.batch_size} sequences")
-    ctx.fit("joint", ctx.engine(model, p.lr), step_fn, batch_fn, p.steps)
-    if ctx.rank == 0:
-        torch.save(model.state_dict(), ctx.out_dir / "model.pt")
+    ctx.fit("joint", ctx.engine(model, p.lr, arms=model.nets), step_fn, batch_fn, p.steps)
 
 
 # ---- evaluation --------------------------------------------------------------------------------------------------
@@ -414,9 +412,7 @@ def drift(pred: torch.Tensor, gt: torch.Tensor, u: torch.Tensor, normalise: bool
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     d = load_data(ctx.data_dir)
-    model = Models(p)
-    model.load_state_dict(torch.load(ctx.out_dir / "model.pt", weights_only=True))
-    model.eval()
+    model = ctx.network("joint")
     te = torch.nonzero(d["test"]).flatten()[: p.eval_sequences]
     partial, complete = d["partial"][te], d["complete"][te]
     per: dict[str, list[float]] = {}

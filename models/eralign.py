@@ -321,9 +321,8 @@ def train(ctx) -> None:
         return sum(losses.values()), {f"{n}_loss": float(v.detach()) for n, v in losses.items()}
 
     ctx.progress(f"phase align: {len(model.nets)} models in lock-step, {p.epochs} full-batch epochs")
-    ctx.fit("align", ctx.engine(model, p.lr, p.weight_decay), step_fn, batch_fn, p.epochs, log_every=20)
-    if ctx.rank == 0:
-        torch.save(model.state_dict(), ctx.out_dir / "model.pt")
+    engine = ctx.engine(model, p.lr, p.weight_decay, arms=model.nets)  # each run clipped alone, as if trained alone
+    ctx.fit("align", engine, step_fn, batch_fn, p.epochs, log_every=20)
 
 
 # ---- evaluation --------------------------------------------------------------------------------------------
@@ -354,9 +353,7 @@ def _transfer(net: Aligner, g1: dict, g2: dict, seed: int) -> tuple[float, float
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     g1, g2 = _load(ctx.data_dir)
-    model = AllRuns(p, g1["x"].shape[1], int(g1["y"].max()) + 1)
-    model.load_state_dict(torch.load(ctx.out_dir / "model.pt"))
-    model.eval()
+    model = ctx.network("align")
     test = np.flatnonzero(g1["split"] == "test")
     out, accs = {}, {}
     for kind, rate in _runs(p):

@@ -4,10 +4,10 @@ Seed: 003_9a806cafa3d919df.txt, abstract 16. Spec: ../shared/papers/fedgr.md.
 
 Federated clients are SIMULATED INSIDE EACH RANK: every client of every federation ("arm": a method trained on one
 setting's labels, `Arm`) is one slice of a batched network (`Federation`, weights stacked on a leading "network"
-axis), so all of them train in lock-step in ONE DeepSpeed engine (AdamW is element-wise, so the stacked networks
-train exactly as they would apart). The ranks are data-parallel inside each client: each client's minibatch is
-split across ranks and DeepSpeed averages gradients. The server runs on every rank identically between rounds
-(deterministic, no communication needed).
+axis), so all of them train in lock-step in ONE DeepSpeed engine (AdamW is element-wise and the engine clips
+nothing, so the stacked networks train exactly as they would apart). The ranks are data-parallel inside each
+client: each client's minibatch is split across ranks and DeepSpeed averages gradients. The server runs on every
+rank identically between rounds (deterministic, no communication needed).
 
 What it implements (function names in brackets):
 - FedAvg aggregation, the real arithmetic w_global = sum_k n_k w_k / sum_k n_k per federation [fedavg];
@@ -540,7 +540,7 @@ def train(ctx) -> None:
     fed = Federation(arms(d["settings"], p.ablations, p.clean_reference), K, (first, *p.hidden, d["classes"]),
                      n_train, p.rounds, p.seed, p.arch)
     F_, V = fed.F, len(fed.variants)
-    engine = ctx.engine(fed, p.lr)
+    engine = ctx.engine(fed, p.lr, grad_clip=None)  # stacked: no clip could be one network's own, so none
     data = {k_: v.to(ctx.device) if torch.is_tensor(v) else v for k_, v in d.items()}
     labels = arm_labels(fed, data)  # (F, N)
     members = [torch.nonzero(d["owner"] == k)[:, 0] for k in range(K)]

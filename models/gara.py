@@ -450,7 +450,7 @@ def train(ctx) -> None:
         return sum(losses.values()), metrics
 
     ctx.progress(f"phase methods: {len(methods.nets)} networks in lock-step over one frozen LM")
-    ctx.fit("methods", ctx.engine(methods, p.lr), step_fn, batches(p.batch_size, 1), p.steps)
+    ctx.fit("methods", ctx.engine(methods, p.lr, arms=methods.nets), step_fn, batches(p.batch_size, 1), p.steps)
     if ctx.rank == 0:
         torch.save({"lm": lm.state_dict(), "methods": methods.state_dict()}, ctx.out_dir / "model.pt")
 

@@ -249,13 +249,13 @@ def train(ctx) -> None:
     d = _load(ctx.data_dir, p)
     phase1 = Phase1(p)
     ctx.progress(f"phase 1: theta*, {p.n_groups * p.logo_seeds} LOGO retrainings and the classifier in lock-step")
-    ctx.fit("full_logo", ctx.engine(phase1, p.lr), _step_fn, _batches(p, d, p.seed, False), p.steps)
+    engine = ctx.engine(phase1, p.lr, arms={**phase1.nets, "classifier": phase1.classifier})
+    ctx.fit("full_logo", engine, _step_fn, _batches(p, d, p.seed, False), p.steps)
     unlearn = Unlearn(p, phase1.nets["full_s0"].state_dict())
     ctx.progress(f"phase 2: {p.n_groups} unlearning copies of theta*, {p.unlearn_steps} steps")
-    ctx.fit("unlearn", ctx.engine(unlearn, p.unlearn_lr), _step_fn, _batches(p, d, p.seed + 1, True),
+    ctx.fit("unlearn", ctx.engine(unlearn, p.unlearn_lr, arms=unlearn.nets), _step_fn, _batches(p, d, p.seed + 1, True),
             p.unlearn_steps)
     if ctx.rank == 0:
-        torch.save({"phase1": phase1.state_dict(), "unlearn": unlearn.state_dict()}, ctx.out_dir / "models.pt")
         # theta* samples in fp32 where it trained (a GPU run leaves it on the GPU, in bf16 under DeepSpeed's bf16)
         net, weight = phase1.nets["full_s0"].eval(), next(phase1.nets["full_s0"].parameters())
         if weight.dtype != torch.float32:
@@ -371,11 +371,7 @@ def attribution_scores(p: Params, phase1: Phase1, unlearn: Unlearn, gen: torch.T
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     d = _load(ctx.data_dir, p)
-    saved = torch.load(ctx.out_dir / "models.pt", weights_only=True)
-    phase1, unlearn = Phase1(p), Unlearn(p, Phase1(p).nets["full_s0"].state_dict())
-    phase1.load_state_dict(saved["phase1"])
-    unlearn.load_state_dict(saved["unlearn"])
-    phase1.eval(), unlearn.eval()
+    phase1, unlearn = ctx.network("full_logo"), ctx.network("unlearn")
     gen = torch.from_numpy(read_table(ctx.out_dir / "generated.parquet")["pixels"]).view(-1, *SHAPES[p.dataset])
     ab = phase1.alphas_cumprod
     w = dm.ddpm_elbo_weights(ab)

@@ -364,7 +364,7 @@ def train(ctx) -> None:
         x_v, y_v = np.stack(v["x"]), np.stack(v["y"])
         val[n] = tuple(t.to(ctx.device) for t in (*make_tokens(x_v, y_v, n, n),
                                                   torch.from_numpy(y_v[:, -1].astype(np.float32))))
-    net_module = ctx.engine(model, p.lr)
+    net_module = ctx.engine(model, p.lr, arms=model.nets)
     stops = {k: Plateau(p.patience, p.rel_tol) for k in model.names}
     snapshot = {k: detached_copy(net) for k, net in model.nets.items()}
     steps_done = 0

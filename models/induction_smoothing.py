@@ -299,9 +299,7 @@ def train(ctx) -> None:
         return sum(losses.values()), {f"ce_{m}": float(v.detach()) for m, v in losses.items()}
 
     ctx.progress(f"phase markov: {len(MODELS)} attention-only transformers in lock-step, {p.steps} steps")
-    ctx.fit("markov", ctx.engine(model, p.lr), step_fn, batch_fn, p.steps, log_every=50)
-    if ctx.rank == 0:
-        torch.save(model.state_dict(), ctx.out_dir / "model.pt")
+    ctx.fit("markov", ctx.engine(model, p.lr, arms=model.nets), step_fn, batch_fn, p.steps, log_every=50)
 
 
 # ---- evaluation ------------------------------------------------------------------------------------------------
@@ -348,9 +346,7 @@ def report_head(recs: dict[int, dict[str, float]]) -> tuple[int, int]:
 
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
-    model = Trio(p)
-    model.load_state_dict(torch.load(ctx.out_dir / "model.pt"))
-    model.eval()
+    model = ctx.network("markov")
     lam_grid = list(itertools.product(np.linspace(0.1, 0.9, 9), repeat=p.k + 1))
     beta_grid = np.logspace(-2, 1, 20)
     # beta0 on a grid of the pseudo-count it implies, e^{beta0 - k beta} / S in [e^-4, e^3] per symbol

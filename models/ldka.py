@@ -504,7 +504,7 @@ def train(ctx) -> None:
             epochs = p.base_epochs if t == 0 else p.epochs
             ctx.progress(f"{proto} step {t}: classes {current}, {len(model.nets)} networks, "
                          f"{epochs} epochs x {per_epoch} steps")
-            ctx.fit(f"{proto}_step{t}", ctx.engine(model, p.lr), step_fn, batch_fn, epochs * per_epoch,
+            ctx.fit(f"{proto}_step{t}", ctx.engine(model, p.lr, arms=model.nets), step_fn, batch_fn, epochs * per_epoch,
                     state=competition)
             if t == 0:
                 saved[f"{proto}/step0"] = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -308,7 +308,7 @@ def train(ctx) -> None:
         return sum(losses), {"mean_ce": float(sum(losses).detach()) / len(losses)}
 
     ctx.progress(f"phase pretrain: {len(names)} agents in lock-step, {p.pretrain_steps} steps of {p.pretrain_batch}")
-    ctx.fit("pretrain", ctx.engine(pretrained, p.pretrain_lr), pre_step, pre_batch, p.pretrain_steps)
+    ctx.fit("pretrain", ctx.engine(pretrained, p.pretrain_lr, arms=pretrained), pre_step, pre_batch, p.pretrain_steps)
 
     arms = build_arms(p, length, pretrained)
     rl_qids = np.flatnonzero(d["split"] == "rl")
@@ -352,7 +352,7 @@ def train(ctx) -> None:
     pretrained.requires_grad_(False)  # the KL reference; trained above, frozen from here
     ctx.progress(f"phase marl: 2 arms x {p.n_seeds} seed(s) x 3 agents in lock-step, {p.rl_steps} updates of "
                  f"{p.rl_questions} questions x {p.group} debates")
-    ctx.fit("marl", ctx.engine(arms, p.rl_lr), rl_step, rl_batch, p.rl_steps)
+    ctx.fit("marl", ctx.engine(arms, p.rl_lr, arms=arms), rl_step, rl_batch, p.rl_steps)
     if ctx.rank == 0:
         torch.save({"pretrained": pretrained.state_dict(), "arms": arms.state_dict(), "length": length},
                    ctx.out_dir / "agents.pt")

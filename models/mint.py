@@ -395,7 +395,7 @@ def train(ctx) -> None:
         return sum(losses.values()), {f"{s}/td": float(v.detach()) for s, v in losses.items()}
 
     ctx.progress(f"double DQN, {p.n_seeds} seed(s) in lock-step: {n_updates} vector steps x {p.n_envs} envs")
-    engine = ctx.engine(model, p.lr)
+    engine = ctx.engine(model, p.lr, arms=model)
     ctx.fit("dqn", engine, dqn_step, dqn_batch, n_updates, state=state)
 
     def u_batches(step: int) -> dict[str, torch.Tensor]:
@@ -415,8 +415,6 @@ def train(ctx) -> None:
 
     ctx.progress(f"uncertainty head U: {p.u_steps} steps on sampled knowledge states")
     ctx.fit("uhead", engine, u_step, u_batches, p.u_steps)
-    if ctx.rank == 0:
-        torch.save(model.state_dict(), ctx.out_dir / "model.pt")
 
 
 # ---- elicitation: MINT's tree, the questioners, execution -------------------------------------------------------
@@ -618,8 +616,7 @@ def _bootstrap(x: np.ndarray, seed: int) -> tuple[float, float]:
 
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
-    model = build(p)
-    model.load_state_dict(torch.load(ctx.out_dir / "model.pt"))
+    model = ctx.network("uhead")  # the whole model: the Q networks and, trained last, the uncertainty heads
     beliefs = name_beliefs(read_table(ctx.data_dir / "objects.parquet"), p.knn)
     splits = {sp: load_split(ctx.data_dir, sp, beliefs) for sp in ("seen", "unseen")}
     per: dict[str, dict[str, list]] = {}  # metric -> per-seed values

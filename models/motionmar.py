@@ -37,8 +37,8 @@ Deviations from the paper (choices the abstract left open):
   with it MPJPE, the slowest part to converge.
 - AMASS joints are converted from z-up to y-up; frames are subsampled by round(mocap_framerate / fps).
 - Training: AdamW per phase (all networks of a phase in one engine, so every arm gets the same steps), the learning
-  rate decaying by a half cosine to `lr_final` x lr; gradient clipping is explicit (`grad_clip`, none by default)
-  rather than DeepSpeed's default global-norm clip at 1.0 (`ctx.engine(grad_clip=...)`) [cosine_lr].
+  rate decaying by a half cosine to `lr_final` x lr; gradient clipping is explicit (`grad_clip`, none by default,
+  each seed's networks an arm clipped on its own) [cosine_lr].
 - The direct regressor's width is matched by counting its parameters [direct_params], not by building candidates.
 - Seeds: `n_seeds` independent copies of every network train in lock-step in the same engines; metrics are means.
 """
@@ -97,8 +97,8 @@ class Params(PaperParams):
     lr: float = Field(2e-3, gt=0, description="Peak learning rate of every phase.")
     lr_final: float = Field(1.0, gt=0, le=1, description="Every phase's learning rate decays by a half cosine from "
                                                         "lr to lr_final * lr over its steps (1: constant).")
-    grad_clip: float = Field(0.0, ge=0, description="Global gradient-norm clip of each phase's engine; 0: none "
-                                                    "(DeepSpeed's own default would clip at 1.0).")
+    grad_clip: float = Field(0.0, ge=0, description="Gradient-norm clip of each seed's networks in a phase (each "
+                                                    "seed an arm of the engine); 0: none.")
     vq_steps: int = Field(200, ge=1, description="Steps of both VQ-VAEs (lock-step).")
     ar_steps: int = Field(300, ge=1, description="Steps of MAN+SAC, the flat AR and direct regression (lock-step).")
     mrn_steps: int = Field(150, ge=1, description="Steps of MRN on MAN outputs.")
@@ -546,7 +546,8 @@ def train(ctx) -> None:
         return {"x": d["xn"][i], "c": d["cn"][i], **{k: v[i] for k, v in extra.items()}}
 
     def fit(name: str, phase: Phase, steps: int) -> None:
-        engine = ctx.engine(phase, p.lr, grad_clip=p.grad_clip)
+        arms = {f"seed{i}": part for i, part in enumerate(phase.parts)}  # each seed's networks clipped alone
+        engine = ctx.engine(phase, p.lr, arms=arms, grad_clip=p.grad_clip)
 
         def step_fn(engine, batch, step):
             for group in engine.optimizer.param_groups:

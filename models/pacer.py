@@ -558,10 +558,10 @@ def train(ctx) -> None:
         return engine(batch)
 
     ctx.progress(f"phase pacer: {len(graphs)} graphs, {p.orderings} orderings a step, {p.steps} steps")
-    ctx.fit("pacer", ctx.engine(pacer, p.lr), pacer_step, pacer_batch, p.steps, state=p_state)
+    ctx.fit("pacer", ctx.engine(pacer, p.lr, arms=pacer.models), pacer_step, pacer_batch, p.steps, state=p_state)
 
     notears = NotearsSet({n: Notears(g["d"], g["train"], p.notears_l1) for n, g in graphs.items()})
-    engine = ctx.engine(notears, p.notears_lr)
+    engine = ctx.engine(notears, p.notears_lr, arms=notears.models)
     n_state = {"elapsed": torch.zeros(1), "marks": torch.zeros(p.notears_rounds * p.notears_steps, dtype=torch.float64)}
     done_rounds = [0]
     n_tick = _clock(n_state)

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from models.common.rl import Replay, env_dims, make_env, run_episodes
+from models.common.rl import Replay, env_dims, make_env, reference_controller, run_episodes
 from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
 
@@ -129,19 +129,6 @@ class SimReplay(Replay):
         return _MujocoState(self.env).state
 
 
-def energy_controller(env_id: str, obs: np.ndarray) -> np.ndarray:
-    """Hand-written reference: energy pumping, then a PD hold at the top (Pendulum); bang-bang on velocity (car)."""
-    if env_id.startswith("Pendulum"):
-        c, s, w = obs[:, 0], obs[:, 1], obs[:, 2]
-        energy = 0.5 * w**2 + 15 * c  # conserved by the unforced dynamics (thdd = 15 sin th); 15 at rest upright
-        swing = np.clip(0.3 * (15 - energy) * np.sign(w + 1e-6), -2, 2)
-        hold = np.clip(-(10 * np.arctan2(s, c) + 3 * w), -2, 2)
-        return np.where((c > 0.9) & (np.abs(w) < 3), hold, swing)[:, None]
-    if env_id.startswith("MountainCar"):
-        return np.where(obs[:, 1:2] >= 0, 1.0, -1.0)
-    raise ValueError(f"no reference controller for {env_id}")
-
-
 def prepare(p: Params, out_dir: Path) -> None:
     spec = {"env": [], "obs_dim": [], "act_dim": [], "gamma": [], "eval_seeds": []}
     refs = {"env": [], "random_return": [], "controller_return": [], "reward_min": [], "reward_max": []}
@@ -162,7 +149,7 @@ def prepare(p: Params, out_dir: Path) -> None:
             refs["controller_return"].append(MUJOCO_REFS[family][1])
             continue
         refs["random_return"].append(float(random_eps["returns"].mean()))
-        ctrl = lambda o, t, e=env_id: energy_controller(e, o)  # noqa: E731
+        ctrl = lambda o, t, e=env_id: reference_controller(e, o)  # noqa: E731
         refs["controller_return"].append(float(run_episodes(env_id, ctrl, ref_seeds)["returns"].mean()))
     write_table(out_dir / "env_spec.parquet", spec)
     write_table(out_dir / "refs.parquet", refs)
@@ -417,7 +404,7 @@ def train(ctx) -> None:
         tag = env_id.split("-")[0].lower()
         ctx.progress(f"phase {tag}: SAC and PB-SAC in lock-step, {p.env_steps} env steps each "
                      f"({p.random_steps} random, then one update of {p.batch_size} per step)")
-        ctx.fit(tag, ctx.engine(model, p.lr), step_fn, batch_fn, p.env_steps - p.random_steps, state=state)
+        ctx.fit(tag, ctx.engine(model, p.lr, arms=model), step_fn, batch_fn, p.env_steps - p.random_steps, state=state)
         # every rank must have collected the same chains (same weights, same seeds); the state merge would hide it
         check = torch.stack([rb.state[k].double().nansum() for rb in replays.values() for k in ("r", "s")])
         if not torch.allclose(ctx.all_reduce_sum(check.clone()), check * ctx.world_size):

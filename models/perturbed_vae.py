@@ -516,9 +516,7 @@ def train(ctx) -> None:
 
     ctx.progress(f"phase fit: {len(model.nets)} networks in lock-step over {len(worlds)} world(s), {p.steps} steps, "
                  f"{len(rows[''])} training cells")
-    ctx.fit("fit", ctx.engine(model, p.lr), step_fn, batch_fn, p.steps)
-    if ctx.rank == 0:
-        torch.save(model.state_dict(), ctx.out_dir / "model.pt")
+    ctx.fit("fit", ctx.engine(model, p.lr, arms=model.nets), step_fn, batch_fn, p.steps)
 
 
 # ---- evaluation ---------------------------------------------------------------------------------------------
@@ -590,9 +588,7 @@ def _prefix(m: str) -> str:
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     worlds = _worlds(p, ctx.data_dir)
-    model = build(worlds, p)
-    model.load_state_dict(torch.load(ctx.out_dir / "model.pt", weights_only=True))
-    model.eval()
+    model = ctx.network("fit")
     d = worlds[""]
     main = [m for m in model.nets if not model.worlds[m]]
     scores, example = _de20_world({m: model.nets[m] for m in main}, d)

@@ -274,9 +274,7 @@ def train(ctx) -> None:
         return sum(losses.values()), {k: float(v.detach()) for k, v in losses.items()}
 
     ctx.progress(f"I2V U-Net and frame autoencoder in lock-step, {p.steps} steps")
-    ctx.fit("i2v", ctx.engine(model, p.lr), step_fn, batch_fn, p.steps)
-    if ctx.rank == 0:
-        torch.save(model.state_dict(), ctx.out_dir / "model.pt")
+    ctx.fit("i2v", ctx.engine(model, p.lr, arms={"unet": model.unet, "ae": model.ae}), step_fn, batch_fn, p.steps)
 
 
 # ---- sampling and guidance -------------------------------------------------------------------------------------
@@ -438,9 +436,7 @@ def evaluate(ctx) -> dict[str, float]:
 
     p: Params = ctx.params
     d = load_videos(ctx.data_dir, p)
-    model = Both(p)
-    model.load_state_dict(torch.load(ctx.out_dir / "model.pt", weights_only=True))
-    model.eval()
+    model = ctx.network("i2v")
     ids = torch.nonzero(d["test"]).flatten()[: p.n_eval]
     gt, traj = d["x"][ids], d["traj"][ids]
     cond = gt[:, 0]

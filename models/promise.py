@@ -509,7 +509,9 @@ def train(ctx) -> None:
     torch.manual_seed(p.seed)
     systems = Systems(p)
     ctx.progress(f"phase systems: (a) det + (b) gen in lock-step, {len(rows)} rows, {p.steps} steps")
-    ctx.fit("systems", ctx.engine(systems, p.lr), step_fn, batch_fn, p.steps)
+    arms = {"det": [*systems.det_trunk.parameters(), *systems.det.parameters()],  # (a) and (b), each alone
+            "gen": [*systems.gen_trunk.parameters(), *systems.gen.parameters()]}
+    ctx.fit("systems", ctx.engine(systems, p.lr, arms=arms), step_fn, batch_fn, p.steps)
 
     systems.eval()
     torch.manual_seed(p.seed + 1)  # the same initialisation for (c) whatever (a)+(b) consumed
@@ -523,8 +525,6 @@ def train(ctx) -> None:
 
     ctx.progress(f"phase debiased: decoder on {len(conds)} cached trunk conditions, state-balanced weights")
     ctx.fit("debiased", ctx.engine(debiased, p.lr), lambda e, b, s: (e(b), {}), batch_fn_c, p.steps)
-    if ctx.rank == 0:
-        torch.save({"systems": systems.state_dict(), "debiased": debiased.state_dict()}, ctx.out_dir / "models.pt")
 
 
 # ---- the evaluation scheme ---------------------------------------------------------------------------------------
@@ -642,12 +642,7 @@ def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     d = _load(ctx.data_dir)
     t = d["t"]
-    saved = torch.load(ctx.out_dir / "models.pt", weights_only=False)
-    systems = Systems(p)
-    systems.load_state_dict(saved["systems"])
-    debiased = Debiased(p, Trunk(p.d_s, p.d_z), systems.ab)
-    debiased.load_state_dict(saved["debiased"])
-    systems.eval(), debiased.eval()
+    systems, debiased = ctx.network("systems"), ctx.network("debiased")
     test, train = np.flatnonzero(t["split"] == "test"), np.flatnonzero(t["split"] == "train")
     conds, _ = _conditions(d, test)  # each test row is one (target, context) condition
     mech, truth, target = t["mechanism"][test], t["state"][test], t["target_id"][test]

@@ -535,7 +535,8 @@ def train(ctx) -> None:
         return sum(losses.values()), {k: float(v.detach()) for k, v in losses.items()}
 
     ctx.progress("VAR, latent DDPM and observer in lock-step")
-    ctx.fit("generators", ctx.engine(gens, p.lr), gen_step, gen_batch, p.gen_steps)
+    arms = {"var": gens.var, "unet": gens.unet, "observer": gens.observer}
+    ctx.fit("generators", ctx.engine(gens, p.lr, arms=arms), gen_step, gen_batch, p.gen_steps)
     if p.ddpm_extra_steps:  # the DDPM alone, on fresh batches (the same data, noise and time draws as above)
         ctx.progress(f"latent DDPM alone, {p.ddpm_extra_steps} further steps")
         ctx.fit("ddpm", ctx.engine(LatentDDPM(gens), p.lr), gen_step, lambda step: gen_batch(p.gen_steps + step),
@@ -556,7 +557,7 @@ def train(ctx) -> None:
         return out
 
     ctx.progress(f"{len(names)} evaluation ConvNet-3s in lock-step")
-    ctx.fit("eval_nets", ctx.engine(ens, p.eval_lr), gen_step, eval_batch, p.eval_steps)
+    ctx.fit("eval_nets", ctx.engine(ens, p.eval_lr, arms=ens.nets), gen_step, eval_batch, p.eval_steps)
 
     if ctx.rank == 0:
         torch.save({"tok": tok.state_dict(), "gens": gens.state_dict(), "ens": ens.state_dict(), "costs": costs},

@@ -373,7 +373,10 @@ def train(ctx) -> None:
         loss = F.cross_entropy(logits.flatten(0, 1), batch["y"].T.flatten(), reduction="none")
         return loss.view(len(sets), -1).mean(1).sum(), {}  # summed: each net gets its own mean-loss gradient
 
-    ctx.fit("models", ctx.engine(nets, p.lr), class_step, _ensemble_batches(x, y, sets, p.batch_size, p.seed), steps)
+    # the members are stacked in one set of tensors, so no clip can be each member's own: none (AdamW is elementwise,
+    # so each member then trains as it would alone)
+    engine = ctx.engine(nets, p.lr, grad_clip=None)
+    ctx.fit("models", engine, class_step, _ensemble_batches(x, y, sets, p.batch_size, p.seed), steps)
 
     with torch.no_grad():
         if p.arch == "mlp":
@@ -408,7 +411,7 @@ def train(ctx) -> None:
         q = pinball_loss(out[..., : len(levels)], target, levels.to(out.device)).mean(1)
         return torch.where(is_gauss.to(out.device), g, q).sum(), {}
 
-    ctx.fit("regressors", ctx.engine(regs, p.lr), reg_step,
+    ctx.fit("regressors", ctx.engine(regs, p.lr, grad_clip=None), reg_step,
             _ensemble_batches(x, reg_target, reg_sets, p.batch_size, p.seed + 7), p.reg_steps)
 
     if ctx.rank != 0:

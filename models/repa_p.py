@@ -337,7 +337,8 @@ def train(ctx) -> None:
         return sum(losses.values()), {f"{a}_loss": float(v.detach()) for a, v in losses.items()}
 
     ctx.progress(f"{len(p.arms)} arms in lock-step ({', '.join(p.arms)}), {p.steps} steps of batch {p.batch_size}")
-    ctx.fit("arms", ctx.engine(model, p.lr), step_fn, batch_fn, p.steps, state=state)
+    arms = {a: [*model.nets[a].parameters(), *model.heads[a].parameters()] for a in p.arms}  # a U-Net and its heads
+    ctx.fit("arms", ctx.engine(model, p.lr, arms=arms), step_fn, batch_fn, p.steps, state=state)
     if ctx.rank == 0:
         torch.save({"model": model.state_dict(), "val_residual": state["val_residual"]}, ctx.out_dir / "arms.pt")
 

@@ -18,8 +18,8 @@ Deviations from the paper (choices the abstract left open):
 - 8x8 digits with synthetic label noise stand in for the medical datasets; MiniLM prompts stand in for CLIP's text
   tower (the claim's text says so, so that the claim line and the scoreboard carry it beside the numbers). Every
   network of a backbone (main, threshold and CV runs, for every setting) trains in lock-step in one DeepSpeed engine
-  (a ModuleDict with summed losses: AdamW keeps them independent), which pays DeepSpeed's start-up once instead of
-  once per network.
+  (a ModuleDict with summed losses, each network an arm of the engine with its own clip, so each trains as it would
+  alone), which pays DeepSpeed's start-up once instead of once per network.
 - The full profile reads an image folder + CSV (ISIC layout) as grayscale at `image_size`; it trains the same CNN
   backbones scaled up, not open_clip's RN50 (open_clip and its weights are not installed here).
 - Downstream retraining runs for every score (cheap in lock-step), not only SEI and the best baseline.
@@ -315,7 +315,7 @@ def train(ctx) -> None:
 
     model = LockStep(nets)
     ctx.progress(f"phase detect: {len(nets)} networks in lock-step, {p.epochs} epochs x {per_epoch} steps")
-    ctx.fit("detect", ctx.engine(model, p.lr), step_fn, batch_fn, p.epochs * per_epoch, state=state)
+    ctx.fit("detect", ctx.engine(model, p.lr, arms=model.nets), step_fn, batch_fn, p.epochs * per_epoch, state=state)
 
     # confident learning: out-of-fold probability of the given label
     cl = {}
@@ -344,7 +344,7 @@ def train(ctx) -> None:
     specs = down_specs
     down = LockStep(kept)
     batch_fn, per_epoch = _epoch_batches(n, p.batch_size, p.seed + 1, d["x"])
-    ctx.fit("downstream", ctx.engine(down, p.lr), step_fn, batch_fn, p.downstream_epochs * per_epoch)
+    ctx.fit("downstream", ctx.engine(down, p.lr, arms=down.nets), step_fn, batch_fn, p.downstream_epochs * per_epoch)
     with torch.no_grad():
         logits = down(d["x_test"].to(ctx.device))
         accuracy = {name: float((out.argmax(-1).cpu() == d["y_test"]).float().mean()) for name, out in logits.items()}
@@ -353,7 +353,6 @@ def train(ctx) -> None:
         torch.save({"slots": slots, "stats": {k_: v.numpy() for k_, v in state.items()}, "cl": cl,
                     "thresh": thresh.numpy(), "downstream": accuracy, "settings": d["settings"]},
                    ctx.out_dir / "records.pt")
-        torch.save(model.state_dict(), ctx.out_dir / "model.pt")
 
 
 # ---- evaluation: SEI against every baseline, per setting and backbone ----------------------------------------

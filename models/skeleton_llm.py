@@ -573,7 +573,7 @@ def train(ctx) -> None:
     d = load(ctx.data_dir, p)
     torch.manual_seed(p.seed)
     arms = build(p, d)
-    engine = ctx.engine(arms, p.lr)
+    engine = ctx.engine(arms, p.lr, arms=arms)
     train_idx = torch.from_numpy(np.flatnonzero(d["split"] == "train"))
     fmt = next(iter(d["fmt"].values()))  # the training format (A for synthetic data)
     joints, poses = next(iter(d["joints"].values())), next(iter(d["poses"].values()))  # the training format

@@ -337,9 +337,8 @@ def train(ctx) -> None:
 
     ctx.progress(", ".join(f"{w}: {len(arms)} arms ({', '.join(arms)})" for w, (_, arms) in _worlds(p).items())
                  + f" in lock-step, {p.steps} steps of batch {p.batch_size}")
-    ctx.fit("arms", ctx.engine(model, p.lr), step_fn, batch_fn, p.steps)
-    if ctx.rank == 0:
-        torch.save(model.state_dict(), ctx.out_dir / "arms.pt")
+    arms = {f"{w}/{a}": net for w, world in model.worlds.items() for a, net in world.nets.items()}
+    ctx.fit("arms", ctx.engine(model, p.lr, arms=arms), step_fn, batch_fn, p.steps)
 
 
 # ---- sampling and evaluation ---------------------------------------------------------------------------------
@@ -370,9 +369,7 @@ def log_spectra(x: np.ndarray) -> np.ndarray:
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     data = {w: _load(ctx.data_dir, prefix) for w, (prefix, _) in _worlds(p).items()}
-    worlds = _build_worlds(p, data)
-    worlds.load_state_dict(torch.load(ctx.out_dir / "arms.pt", weights_only=True))
-    worlds.eval()
+    worlds = ctx.network("arms")
     d, model = data["main"], worlds.worlds["main"]
     codes = _mixture_codes(d["codes"], p)  # (S, 2)
     real = log_spectra(d["x_holdout"])

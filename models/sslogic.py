@@ -759,7 +759,8 @@ def train(ctx) -> None:
         return loss.sum(), metrics | {f"{arm}/kl": float(kl_term[k]) for k, arm in enumerate(ARMS)}
 
     ctx.progress(f"GRPO: {len(ARMS)} arms x {p.grpo_steps} steps x {p.prompts_per_step} prompts x {p.group}")
-    ctx.fit("grpo", ctx.engine(arms, p.grpo_lr), grpo_step, grpo_batch, p.grpo_steps, state=state)
+    engine = ctx.engine(arms, p.grpo_lr, arms=dict(zip(ARMS, arms.nets, strict=True)))
+    ctx.fit("grpo", engine, grpo_step, grpo_batch, p.grpo_steps, state=state)
     if ctx.rank == 0:
         torch.save({"arms": arms.state_dict(), "sft": ref.state_dict(), "curve": state["curve"]},
                    ctx.out_dir / "policies.pt")

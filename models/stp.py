@@ -334,7 +334,7 @@ def train(ctx) -> None:
         return sum(losses.values()), {f"loss_{a}": float(v.detach()) for a, v in losses.items()}
 
     ctx.progress(f"{len(ARMS)} EGNNs in lock-step; nu = {float(scales['nu']):.3f}, c = {float(scales['c']):.3f}")
-    ctx.fit("diffusion", ctx.engine(model, p.lr), step_fn, batch_fn, p.steps)
+    ctx.fit("diffusion", ctx.engine(model, p.lr, arms=model.nets), step_fn, batch_fn, p.steps)
     if ctx.rank == 0:
         torch.save({"state": model.state_dict(), "scales": scales}, ctx.out_dir / "model.pt")
 

@@ -403,9 +403,7 @@ def train(ctx) -> None:
         b = batch_fn(subset, 7_777_777)(step)
         return {"high": b["high"], "c": b["c"]}
 
-    ctx.fit("retrofit", ctx.engine(retro, p.retrofit_lr), step_fn, retro_batch, p.retrofit_steps)
-    if ctx.rank == 0:
-        torch.save({"pretrain": pre.state_dict(), "retrofit": retro.state_dict()}, ctx.out_dir / "model.pt")
+    ctx.fit("retrofit", ctx.engine(retro, p.retrofit_lr, arms=retro.arms), step_fn, retro_batch, p.retrofit_steps)
 
 
 # ---- evaluate ------------------------------------------------------------------------------------------------
@@ -465,10 +463,7 @@ def upsample(videos: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
-    state = torch.load(ctx.out_dir / "model.pt", weights_only=True)
-    pre, retro = Pretrain(p), Retrofit(p)
-    pre.load_state_dict(state["pretrain"]), retro.load_state_dict(state["retrofit"])
-    pre.eval(), retro.eval()
+    pre, retro = ctx.network("pretrain"), ctx.network("retrofit")
     high, cls, split = load_videos(ctx.data_dir, "videos_high")
     real = high[torch.from_numpy(split == "test")]  # (Vt, F, 3, S, S)
     feats = lambda v: pre.frames.features(v.flatten(0, 1)).numpy()  # noqa: E731  (V F, 2c)

@@ -337,7 +337,7 @@ def train(ctx) -> None:
     bigram = _target_bigram(tokens[:n_train])
     state = {s: torch.full((p.rl_steps, len(ARMS), p.rollouts), float("nan"))
              for s in ("dlogp", "kl", "rho_ne1", "reward")}
-    engine = ctx.engine(arms, p.rl_lr)
+    engine = ctx.engine(arms, p.rl_lr, arms=arms)
 
     def rl_batch(step):
         g = torch.Generator().manual_seed(p.seed * 7_919 + step)

@@ -323,8 +323,6 @@ def train(ctx) -> None:
         return loss, {"final_accuracy": float(acc)}
 
     ctx.fit("lm", ctx.engine(model, p.lr, weight_decay=0.01), step_fn, batch_fn, p.steps)
-    if ctx.rank == 0:
-        torch.save(model.state_dict(), ctx.out_dir / "model.pt")
 
 
 # ---- evaluate ----------------------------------------------------------------------------------------------
@@ -380,9 +378,7 @@ def attention_latency(length: int, keep_ratio: float, p: Params, repeats: int) -
 
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
-    model = LM(p)
-    model.load_state_dict(torch.load(ctx.out_dir / "model.pt"))
-    model.eval()
+    model = ctx.network("lm")
     tokens, answers, tasks = _load(ctx.data_dir, "test")
     val_tokens, val_answers, _ = _load(ctx.data_dir, "val")
     sel = {"window": p.window, "pool": p.pool, "n_min": p.n_min}

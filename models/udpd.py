@@ -353,7 +353,7 @@ def train(ctx) -> None:
         return sum(losses.values()), metrics
 
     ctx.progress(f"phase joint: {len(model.nets)} networks over {len(graphs)} graphs, {p.steps} full-batch steps")
-    ctx.fit("joint", ctx.engine(model, p.lr, p.weight_decay), step_fn, batch_fn, p.steps, log_every=20)
+    ctx.fit("joint", ctx.engine(model, p.lr, p.weight_decay, arms=model.nets), step_fn, batch_fn, p.steps, log_every=20)
     if ctx.rank == 0:
         torch.save(model.state_dict(), ctx.out_dir / "model.pt")
 

@@ -443,7 +443,7 @@ def train(ctx) -> None:
         return sum(losses.values()), {k: float(v) for k, v in losses.items()}
 
     ctx.progress(f"phase forecast: {len(FORECASTERS)} forecasters in lock-step, {p.forecast_steps} steps")
-    ctx.fit("forecast", ctx.engine(nets, p.lr), fc_step, fc_batch, p.forecast_steps)
+    ctx.fit("forecast", ctx.engine(nets, p.lr, arms=nets.nets), fc_step, fc_batch, p.forecast_steps)
     if ctx.rank == 0:
         torch.save({"vfm": vfm.state_dict(), "two": two.state_dict(), "nets": nets.state_dict(), "spaces": spaces},
                    ctx.out_dir / "model.pt")

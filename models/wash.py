@@ -172,9 +172,7 @@ def train(ctx) -> None:
         return sum(losses.values()), {f"loss_{k}": float(v.detach()) for k, v in losses.items()}
 
     ctx.progress(f"{len(model.lms)} LMs in lock-step, vocabularies {[len(t) for t in toks]}, {p.steps} steps")
-    ctx.fit("lms", ctx.engine(model, p.lr), step_fn, batch_fn, p.steps)
-    if ctx.rank == 0:
-        torch.save(model.state_dict(), ctx.out_dir / "lms.pt")
+    ctx.fit("lms", ctx.engine(model, p.lr, arms=model.lms), step_fn, batch_fn, p.steps)
 
 
 # ---- watermarks and detection ------------------------------------------------------------------------------------
@@ -343,9 +341,7 @@ def paraphrase(pr: Provider, prompts: list[str], texts: list[str], g: torch.Gene
 # ---- evaluation ---------------------------------------------------------------------------------------------------
 def _providers(ctx, p: Params, scheme: str) -> tuple[list[Provider], Provider]:
     toks = tokenizers(ctx.data_dir, p)
-    family = Family(p, [len(t) for t in toks])
-    family.load_state_dict(torch.load(ctx.out_dir / "lms.pt"))
-    family.eval()
+    family = ctx.network("lms")
     provs = [Provider(family.lms[f"p{m}"], tok, Watermark(scheme, 1000 + m, len(tok), p.gamma, p.delta), p.context)
              for m, tok in enumerate(toks)]
     return provs, Provider(family.lms["ref"], BPETokenizer(ALPHABET, []), None, p.context)

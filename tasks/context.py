@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,120 @@ def send_pending(client, run_id: str, run_dir: Path) -> int:
     return len(metrics)
 
 
+SCHEDULES = {"constant": "WarmupLR", "cosine": "WarmupCosineLR", "linear": "WarmupDecayLR"}  # DeepSpeed's
+
+
+def _scheduler_config(lr: float, steps: int | None, warmup: int, decay: str) -> dict | None:
+    """DeepSpeed's `scheduler` section for a linear warm-up of `warmup` steps from 0, then `decay` until `steps`;
+    None for a constant rate without warm-up."""
+    if decay == "constant":
+        if not warmup:
+            return None
+        return {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
+                                               "warmup_num_steps": warmup, "warmup_type": "linear"}}
+    if decay == "cosine":  # ratios of each group's own rate; without warm-up it starts at the full rate
+        return {"type": "WarmupCosineLR", "params": {"total_num_steps": steps, "warmup_num_steps": max(warmup, 1),
+                                                     "warmup_min_ratio": 0.0 if warmup else 1.0,
+                                                     "warmup_type": "linear"}}
+    return {"type": "WarmupDecayLR", "params": {"total_num_steps": steps, "warmup_min_lr": 0.0 if warmup else lr,
+                                                "warmup_max_lr": lr, "warmup_num_steps": max(warmup, 1),
+                                                "warmup_type": "linear"}}
+
+
+def _arm_groups(model: torch.nn.Module, arms: Mapping[str, Any] | None, clip: float) -> list[dict]:
+    """The optimizer's param groups: one per arm with trainable parameters (each with its own clip), or the whole
+    model as one."""
+    if arms is None:  # as a plain AdamW over model.parameters() has it; DeepSpeed clips the whole model
+        return [{"params": list(model.parameters()), "name": "model", "max_norm": 0.0}]
+    trainable = [q for q in model.parameters() if q.requires_grad]
+    if not arms:
+        raise ValueError("arms={}: name at least one arm")
+    owner: dict[int, str] = {}
+    groups = []
+    for name, arm in arms.items():
+        params = [q for q in (arm.parameters() if isinstance(arm, torch.nn.Module) else arm) if q.requires_grad]
+        for q in params:
+            if id(q) in owner:
+                raise ValueError(f"arms {owner[id(q)]!r} and {name!r} share parameters: each arm trains its own")
+            owner[id(q)] = name
+        if params:  # a wholly frozen arm has nothing to step
+            groups.append({"params": params, "name": name, "max_norm": clip})
+    names = {id(q): n for n, q in model.named_parameters()}
+    strays = sorted({arm for key, arm in owner.items() if key not in names})
+    if strays:
+        raise ValueError(f"arms {strays} hold parameters that are not the model's")
+    orphans = [names[id(q)] for q in trainable if id(q) not in owner]
+    if orphans:
+        raise ValueError(f"trainable parameters in no arm (every one must belong to exactly one): {orphans[:5]}")
+    return groups
+
+
+class ArmsAdamW(torch.optim.AdamW):
+    """AdamW whose param groups are arms: before the update, a group with a `max_norm` has its gradient clipped to
+    that norm on its own (torch.nn.utils.get_total_norm and clip_grads_with_norm_, i.e. clip_grad_norm_ over the
+    arm). `partitioned`: the group holds this rank's ZeRO partition of the arm, so the squared norm is summed over
+    the ranks first. DeepSpeed's ZeRO optimizer steps one group at a time, in the same order on every rank."""
+
+    def __init__(self, groups: list[dict], lr: float, weight_decay: float, partitioned: bool):
+        super().__init__(groups, lr=lr, weight_decay=weight_decay)
+        self.partitioned = partitioned
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if group.get("max_norm"):
+                grads = [q.grad for q in group["params"] if q.grad is not None]
+                norm = torch.nn.utils.get_total_norm(grads)
+                if self.partitioned:
+                    squared = norm.square()
+                    dist.all_reduce(squared)
+                    norm = squared.sqrt()
+                torch.nn.utils.clip_grads_with_norm_(group["params"], group["max_norm"], norm)
+        return super().step(closure)
+
+
+@dataclass
+class EngineExtras:
+    """What `TrainContext.engine` adds to a DeepSpeed engine (`engine.paperline`): its arms' names and the EMA
+    copy of its weights (AveragedModel, or None)."""
+
+    arms: list[str]
+    ema: Any = None
+
+
+def ema_module(engine: Any) -> torch.nn.Module | None:
+    """The EMA copy of an engine's model (a module of the model's class), or None when it keeps none."""
+    extras = getattr(engine, "paperline", None)
+    return extras.ema.module if extras is not None and extras.ema is not None else None
+
+
+def _update_ema(averaged: Any, model: torch.nn.Module) -> None:
+    """Average the parameters; buffers (batch-norm statistics, counters) follow the live model."""
+    averaged.update_parameters(model)
+    with torch.no_grad():
+        for mine, live in zip(averaged.module.buffers(), model.buffers(), strict=True):
+            mine.copy_(live)
+
+
+FIT_METRICS = "fit_metrics.json"  # per phase, what the loop measured (plateau): part of the replicate's metrics
+
+
+def loss_plateau(tail: list[float]) -> float | None:
+    """How far the loss still moved over the phase's last fifth (`tail`): |mean of its second half - mean of its
+    first half| / |mean of its first half|; near 0 on a plateau. None with fewer than 2 losses or a non-finite one."""
+    if len(tail) < 2:
+        return None
+    half = len(tail) // 2
+    first, second = sum(tail[:half]) / half, sum(tail[half:]) / (len(tail) - half)
+    change = abs(second - first) / max(abs(first), 1e-12)
+    return change if math.isfinite(change) else None
+
+
+def network_file(phase: str, ema: bool = False) -> str:
+    """A phase's saved network in the run folder (its EMA copy with `ema`)."""
+    return f"network.{phase}{'.ema' if ema else ''}.pt"
+
+
 @dataclass
 class TrainContext:
     params: PaperParams
@@ -120,15 +235,41 @@ class TrainContext:
     label: str = ""
 
     # ---- engines -------------------------------------------------------------------------------------------
-    def engine(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0) -> Any:
+    def engine(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0, *,
+               arms: Mapping[str, torch.nn.Module | Iterable[torch.nn.Parameter]] | None = None,
+               grad_clip: float | None = 1.0, steps: int | None = None, warmup: int = 0,
+               decay: str = "constant", ema: float | None = None) -> Any:
         """Wrap a single-device module in a DeepSpeed engine (client AdamW: exact resume, no fused-op build).
 
-        `grad_clip`: the global gradient-norm clip (0: none). 1.0 is DeepSpeed's own default, kept so no run changes;
-        it clips the norm of everything the engine trains, so arms trained in lock-step in one engine share it (one
-        arm's large gradient shrinks the others' steps): a paper comparing arms in one engine should choose it."""
+        `arms`: name -> submodule (or parameters) of `model`, for a model that trains several networks side by side
+        (a method and its baselines, independent copies); every trainable parameter belongs to exactly one arm. Each
+        arm is its own AdamW param group with its own gradient-norm clip, so with a summed loss its update is
+        bitwise what it would be trained alone on the same batches; DeepSpeed's global clip is then off.
+        `grad_clip`: the gradient-norm clip of each network the engine trains (None or 0: none): the whole model's
+        (DeepSpeed's `gradient_clipping`) without arms, each arm's own with them. 1.0 is DeepSpeed's own default,
+        kept so single-network runs are unchanged.
+        `warmup`, `decay` ("constant", "cosine", "linear") and `steps` (the phase's length, needed to decay): the
+        learning-rate schedule, DeepSpeed's WarmupLR / WarmupCosineLR / WarmupDecayLR (in the checkpoint), linear
+        warm-up from 0; DeepSpeed warms up for at least 2 steps.
+        `ema`: keep an exponential moving average of the weights with this decay (torch.optim.swa_utils), updated
+        after every step by `fit`, checkpointed with it and saved as `network.<phase>.ema.pt`; `ema_module(engine)`
+        reads it."""
         import deepspeed
 
         p = self.params
+        if decay not in SCHEDULES:
+            raise ValueError(f"decay={decay!r}: expected one of {sorted(SCHEDULES)}")
+        if decay != "constant" and not steps:
+            raise ValueError(f"decay={decay!r} needs steps= (the phase's length, over which the rate decays)")
+        if warmup < 0:
+            raise ValueError(f"warmup={warmup}: expected a number of steps >= 0")
+        if ema is not None and not 0.0 <= ema <= 1.0:
+            raise ValueError(f"ema={ema}: the EMA decay lies in [0, 1]")
+        if ema is not None and p.zero_stage == 3:
+            raise ValueError("ema= needs the whole weights on every rank: use ZeRO stage 0-2")
+        clip = float(grad_clip or 0.0)
+        model = model.to(self.device)
+        groups = _arm_groups(model, arms, clip)
         config = {
             "train_micro_batch_size_per_gpu": 1,  # we feed batches ourselves; DeepSpeed only needs a number
             "gradient_accumulation_steps": 1,
@@ -136,11 +277,24 @@ class TrainContext:
             "zero_allow_untested_optimizer": True,
             "bf16": {"enabled": bool(p.bf16 and self.device.type == "cuda")},
             "steps_per_print": 10**9,
-            "gradient_clipping": float(grad_clip),
+            "gradient_clipping": 0.0 if arms is not None else clip,
         }
-        model = model.to(self.device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        scheduler = _scheduler_config(lr, steps, warmup, decay)
+        if scheduler:
+            config["scheduler"] = scheduler
+        averaged = None
+        if ema is not None:  # copied before DeepSpeed hooks into the model
+            from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+            averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(ema))
+        optimizer = ArmsAdamW(groups, lr=lr, weight_decay=weight_decay,
+                              partitioned=p.zero_stage >= 1 and self.world_size > 1)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        if arms is not None:
+            assert engine.gradient_clipping() == 0.0, "arms are clipped apart, never by DeepSpeed's global clip"
+        if engine.lr_scheduler is not None:
+            engine.lr_scheduler.step()  # step k trains at the schedule's rate k (DeepSpeed starts it at -1)
+        engine.paperline = EngineExtras(arms=[g["name"] for g in groups], ema=averaged)
         return engine
 
     # ---- the training loop ---------------------------------------------------------------------------------
@@ -150,43 +304,70 @@ class TrainContext:
 
         `state`: tensors a paper fills while training (e.g. per-sample statistics), initialised with NaN; each rank
         writes the entries of its own samples and every checkpoint merges them across ranks (first non-NaN wins),
-        so after `fit` returns every rank holds the complete tensors, and they survive a restart."""
+        so after `fit` returns every rank holds the complete tensors, and they survive a restart.
+
+        At the end it logs `train/<phase>/plateau` (`loss_plateau` over the phase's last fifth, rank 0's loss; from
+        10 steps on), also written to `fit_metrics.json`, which the replicate's metrics include, and saves the
+        network (and its EMA copy) once: `network.<phase>.pt` (`.ema.pt`), what `EvalContext.network` loads."""
         ckpt_dir = self.out_dir / "checkpoints" / name
-        window: list[float] = []  # losses since the last logged step; checkpointed, so a resume logs the same means
-        start = self._resume(ckpt_dir, engine, state, window)
+        # losses since the last logged step, and those of the phase's last fifth; checkpointed, so a resumed run
+        # logs the same means and the same plateau
+        trace: dict[str, list[float]] = {"window": [], "tail": []}
+        tail_from = num_steps - num_steps // 5
+        ema = getattr(getattr(engine, "paperline", None), "ema", None)
+        start = self._resume(ckpt_dir, engine, state, trace)
         if start >= num_steps:
             self.progress(f"phase {name}: complete in checkpoint ({num_steps} steps), not retrained")
-            self._save_network(name, engine)
+            self._finish(name, engine, trace["tail"])
             return
         if start:
             self.progress(f"phase {name}: resumed at step {start}/{num_steps}")
             self.sink.add({f"train/{name}/resumed_at_step": start}, start)
         every = self.params.checkpoint_every
         bar = PhaseProgress(self, name, start, num_steps)
+        window, tail = trace["window"], trace["tail"]
         for step in range(start, num_steps):
             torch.manual_seed(self.params.seed * 1_000_003 + step)  # dropout etc. depend on the step only
             local = self._shard(batch_fn(step))
             loss, metrics = step_fn(engine, local, step)
             engine.backward(loss)
             engine.step()
+            if ema is not None:
+                _update_ema(ema, engine.module)
             _maybe_inject_fault(self.out_dir, self.rank, name, step + 1, self.params.seed)
             last = float(loss.detach())
             window.append(last)
+            if step >= tail_from:
+                tail.append(last)
             if (step + 1) % log_every == 0 or step + 1 == num_steps:
                 logged = {"loss": sum(window) / len(window), **{k: float(v) for k, v in metrics.items()}}
+                if step + 1 == num_steps and loss_plateau(tail) is not None:
+                    logged["plateau"] = loss_plateau(tail)
                 self.log({f"train/{name}/{k}": v for k, v in logged.items()}, step)
                 window.clear()
             bar.update(step + 1, last)
             if (step + 1) % every == 0 or step + 1 == num_steps:
-                self._checkpoint(ckpt_dir, engine, step + 1, state, window)
+                self._checkpoint(ckpt_dir, engine, step + 1, state, trace)
         bar.done(last)
+        self._finish(name, engine, tail)
+
+    def _finish(self, name: str, engine: Any, tail: list[float]) -> None:
+        plateau = loss_plateau(tail)
+        if plateau is not None and self.rank == 0:
+            path = self.out_dir / FIT_METRICS
+            merged = json.loads(path.read_text()) if path.exists() else {}
+            merged[f"train/{name}/plateau"] = plateau
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
+            os.replace(tmp, path)
         self._save_network(name, engine)
 
     def _save_network(self, name: str, engine: Any) -> None:
-        """The phase's trained network as a whole module, `<out_dir>/network.<phase>.pt` (rank 0; logged with the
-        run's outputs): what the registered MLflow model restores (flows/serving.py). The module is pickled by
-        reference to its class in the paper's module, without the hooks DeepSpeed put on it; a module that cannot
-        be pickled is saved as its state dict (with its class name), so the weights are still there."""
+        """The phase's trained network as a whole module, `<out_dir>/network.<phase>.pt`, and its EMA copy,
+        `network.<phase>.ema.pt` (rank 0; logged with the run's outputs): what `EvalContext.network` and the
+        registered MLflow model (flows/serving.py) load. The module is pickled by reference to its class in the
+        paper's module, without the hooks DeepSpeed put on it; a module that cannot be pickled is saved as its
+        state dict (with its class name), so the weights are still there."""
         import contextlib
 
         gather = contextlib.nullcontext()
@@ -196,17 +377,24 @@ class TrainContext:
             gather = deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
         with gather:
             if self.rank == 0:
-                save_module(engine.module, self.out_dir / f"network.{name}.pt")
+                save_module(engine.module, self.out_dir / network_file(name))
+                averaged = ema_module(engine)
+                if averaged is not None:
+                    save_module(averaged, self.out_dir / network_file(name, ema=True))
 
     def _shard(self, batch: Batch) -> dict[str, torch.Tensor]:
         # contiguous: a strided slice would make every .view() in a step function fail with 2+ ranks
         return {k: v[self.rank :: self.world_size].contiguous().to(self.device) for k, v in batch.items()}
 
     def _checkpoint(self, ckpt_dir: Path, engine: Any, step: int, state: dict[str, torch.Tensor] | None,
-                    window: list[float]) -> None:
+                    trace: dict[str, list[float]]) -> None:
         tag = f"step{step}"
         self._merge_state(state)
-        client = {"step": step, "state": {k: v.cpu() for k, v in (state or {}).items()}, "window": list(window)}
+        client = {"step": step, "state": {k: v.cpu() for k, v in (state or {}).items()},
+                  **{k: list(v) for k, v in trace.items()}}
+        ema = getattr(getattr(engine, "paperline", None), "ema", None)
+        if ema is not None:
+            client["ema"] = ema.state_dict()
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False)
         self.barrier()
         if self.rank == 0:
@@ -227,7 +415,7 @@ class TrainContext:
                 tensor.copy_(torch.where(torch.isnan(tensor), part, tensor))
 
     def _resume(self, ckpt_dir: Path, engine: Any, state: dict[str, torch.Tensor] | None,
-                window: list[float]) -> int:
+                trace: dict[str, list[float]]) -> int:
         marker = ckpt_dir / "committed.json"
         if not marker.exists():
             return 0
@@ -236,7 +424,11 @@ class TrainContext:
         for key, value in client["state"].items():
             if state is not None and key in state:
                 state[key].copy_(value)
-        window[:] = client.get("window", [])
+        for key, values in trace.items():
+            values[:] = client.get(key, [])
+        ema = getattr(getattr(engine, "paperline", None), "ema", None)
+        if ema is not None:
+            ema.load_state_dict(client["ema"])
         self.sink.drop()
         return int(client["step"])
 
@@ -373,6 +565,19 @@ class EvalContext:
     out_dir: Path
     plots_dir: Path
     label: str = ""
+
+    def network(self, phase: str, ema: bool = False) -> torch.nn.Module:
+        """The network training phase `phase` ended with (`fit` saved it), in eval mode; `ema`: its EMA copy."""
+        path = self.out_dir / network_file(phase, ema)
+        if not path.exists():
+            saved = sorted(q.name for q in self.out_dir.glob("network.*.pt"))
+            raise FileNotFoundError(f"{path.name}: no such network in {self.out_dir} (saved: {saved or 'none'})"
+                                    + ("; the phase's engine keeps an EMA only with engine(ema=...)" if ema else ""))
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        if "module" not in saved:
+            raise TypeError(f"{path.name} holds only the state dict of a {saved['class']} (it did not pickle: "
+                            f"{saved['why']}); build the module and load it with load_state_dict")
+        return saved["module"].eval()
 
     def progress(self, message: str) -> None:
         print(f"[{self.label or 'evaluate'}] {message}", file=sys.stderr, flush=True)

@@ -24,10 +24,10 @@ from models.common.threads import torch_threads
 from models.contract import ClaimResult, Paper, PaperParams
 from models.registry import RunRequest
 from tasks import data, quiet, replicates, tracking
-from tasks.context import EvalContext
+from tasks.context import FIT_METRICS, EvalContext
 from tasks.train import TrainJob, launch
 
-METRICS_FILE = "metrics.json"  # a replicate's evaluation metrics, exactly as evaluate() returned them
+METRICS_FILE = "metrics.json"  # a replicate's metrics: what evaluate() returned and what fit measured (plateaus)
 
 
 @task(name="prepare", retries=1, retry_delay_seconds=2)
@@ -66,8 +66,9 @@ _EVALUATING = threading.Lock()
 
 def evaluate(paper: Paper, params: PaperParams, data_dir: Path, out_dir: Path,
              run_id: str | None) -> dict[str, float]:
-    """Run the paper's evaluation of one replicate; with a run id, log its metrics, plots and outputs there. A
-    paper with timed parts evaluates on a quiet machine (tasks/quiet.py) and records the load it was timed at."""
+    """Run the paper's evaluation of one replicate and add what its training loop measured (`fit_metrics`); with a
+    run id, log the metrics, plots and outputs there. A paper with timed parts evaluates on a quiet machine
+    (tasks/quiet.py) and records the load it was timed at."""
     with _EVALUATING, (quiet.quiet() if paper.claim.timed else _busy_nothing_waited()) as waited:
         plots_dir = out_dir / "plots"
         plots_dir.mkdir(parents=True, exist_ok=True)
@@ -77,6 +78,7 @@ def evaluate(paper: Paper, params: PaperParams, data_dir: Path, out_dir: Path,
             metrics = {k: float(v) for k, v in paper.evaluate(ctx).items()}
         if paper.claim.timed:
             metrics |= {**waited, quiet.LOAD_METRIC: quiet.load_1m()}
+    metrics = {**fit_metrics(out_dir), **metrics}
     bad = [k for k, v in metrics.items() if not math.isfinite(v)]
     if bad:
         raise ValueError(f"{paper.id}.evaluate returned non-finite metrics: {bad}")
@@ -91,6 +93,12 @@ def evaluate(paper: Paper, params: PaperParams, data_dir: Path, out_dir: Path,
 def _busy_nothing_waited():
     with quiet.busy():
         yield {}
+
+
+def fit_metrics(out_dir: Path) -> dict[str, float]:
+    """What the training loop measured per phase (`train/<phase>/plateau`), so a premise can read it."""
+    path = out_dir / FIT_METRICS
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def recorded_metrics(run, out_dir: Path) -> dict[str, float]:

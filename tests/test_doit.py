@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from models import doit
+from models.common.rl import reference_controller
 
 
 class GaussianEps(torch.nn.Module):
@@ -191,7 +192,7 @@ def test_critic_rank_premise_reads_whether_q_prefers_the_controller():
     angle = torch.rand(500) * 2 * np.pi
     s = torch.stack([angle.cos(), angle.sin(), torch.randn(500) * 3], 1)
     a_data = torch.zeros(500, 1)
-    best = lambda st: torch.from_numpy(doit.expert_action("Pendulum-v1", st.numpy()).astype(np.float32)) / 2  # noqa: E731
+    best = lambda st: torch.from_numpy(reference_controller("Pendulum-v1", st.numpy()).astype(np.float32)) / 2  # noqa: E731
     for q, lo, hi in ((lambda st, a: -(a[:, 0] - best(st)[:, 0]) ** 2, 0.9, 1.0),
                       (lambda st, a: torch.zeros(len(a)), 0.0, 0.0),
                       (lambda st, a: -(a[:, 0] + best(st)[:, 0]) ** 2, 0.0, 0.5)):

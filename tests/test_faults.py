@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from tasks import settings, tracking
+from tests.conftest import PROJECT
 
 pytestmark = pytest.mark.e2e
 FAST = {"ranks": 2, "checkpoint_every": 2, "epochs": 3}  # sei test profile: 2 steps per epoch -> 6 steps
@@ -51,6 +52,37 @@ def test_killed_rank_in_replicate_2_of_3_resumes_that_replicate_bitwise(workspac
         history = client.get_metric_history(b.info.run_id, "train/detect/loss")
         clean_history = client.get_metric_history(a.info.run_id, "train/detect/loss")
         assert [(m.step, m.value) for m in history] == [(m.step, m.value) for m in clean_history]
+
+
+def test_killed_phase_with_arms_a_schedule_and_an_ema_resumes_bitwise(tmp_path):
+    """The same SIGKILL in a phase whose engine has two arms, warm-up + cosine decay and an EMA: the resumed run
+    restores the rate schedule, the AdamW state and the EMA from the checkpoint and ends bitwise like a clean one."""
+    import json
+
+    import torch
+
+    from tasks.context import FIT_METRICS, network_file
+
+    code = ("import sys; from pathlib import Path; from tasks.worker import _init_distributed; _init_distributed(); "
+            "from tests.test_arms import SCHEDULE, train_phase; "
+            "train_phase(Path(sys.argv[1]), 0, ('a', 'b'), checkpoint_every=3, **SCHEDULE)")
+    env = {**os.environ, "PYTHONPATH": str(PROJECT)}
+
+    def train(folder, **extra):
+        return subprocess.run([sys.executable, "-c", code, str(folder)], env={**env, **extra}, capture_output=True,
+                              text=True)
+
+    assert train(tmp_path / "clean").returncode == 0
+    killed = train(tmp_path / "killed", PAPERLINE_FAULT="kill:0:arms:7")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert json.loads((tmp_path / "killed/checkpoints/arms/committed.json").read_text())["step"] == 6
+    resumed = train(tmp_path / "killed", PAPERLINE_FAULT="kill:0:arms:7")  # the marker keeps it from firing again
+    assert resumed.returncode == 0 and "resumed at step 6/12" in resumed.stderr, resumed.stderr[-2000:]
+    for ema in (False, True):
+        clean, again = (torch.load(d / network_file("arms", ema), weights_only=False)["module"].state_dict()
+                        for d in (tmp_path / "clean", tmp_path / "killed"))
+        assert clean.keys() == again.keys() and all(torch.equal(clean[k], again[k]) for k in clean)
+    assert (tmp_path / "clean" / FIT_METRICS).read_text() == (tmp_path / "killed" / FIT_METRICS).read_text()
 
 
 def test_killed_pipeline_is_continued_at_the_replicate_it_lost(workspace, prefect_harness):

@@ -40,8 +40,10 @@ def test_paper_test_profile_end_to_end(paper_id, tmp_path):
 
     save_model(paper_id, out_dir, tmp_path / "model")
     restored = mlflow.pyfunc.load_model(str(tmp_path / "model")).unwrap_python_model()
-    phases = sorted(p.name.removeprefix("network.").removesuffix(".pt") for p in out_dir.glob("network.*.pt"))
+    saved = [p.name.removeprefix("network.") for p in out_dir.glob("network.*.pt")]
+    phases = sorted(n.removesuffix(".pt") for n in saved if not n.endswith(".ema.pt"))
     assert sorted(restored.modules) == phases and (phases or not paper.learns), restored.networks.keys()
+    assert sorted(restored.ema_networks) == sorted(n.removesuffix(".ema.pt") for n in saved if n.endswith(".ema.pt"))
 
     # checkpoint round-trip: a rerun in the same folder resumes every finished phase instead of retraining
     committed = sorted(out_dir.glob("checkpoints/*/committed.json"))

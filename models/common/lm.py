@@ -4,11 +4,13 @@
 - `BPETokenizer`: byte-pair encoding over characters; `train_bpe` learns merges by pair frequency (Sennrich et al.),
   `encode` applies them in merge-rank order; zero merges is a character tokeniser.
 - `TinyTransformer`: token + position embeddings, pre-norm `nn.TransformerEncoderLayer`s, final LayerNorm; causal
-  or bidirectional. `TinyLM` adds a tied next-token head; `SentenceEncoder` mean-pools non-pad positions.
+  or bidirectional. `TinyLM` adds a tied next-token head (GPT-2's initialisation, `gpt2_init`); `SentenceEncoder`
+  mean-pools non-pad positions.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import torch
@@ -125,11 +127,14 @@ class TinyTransformer(nn.Module):
 
 
 class TinyLM(nn.Module):
-    """Decoder-only LM: next-token logits with the output head tied to the token embedding."""
+    """Decoder-only LM: next-token logits with the output head tied to the token embedding. Initialised as GPT-2
+    (and nanoGPT): weights and embeddings normal(0, 0.02), the residual projections (attention output, second MLP
+    layer) normal(0, 0.02 / sqrt(2 * layers)), biases zero, so the first next-token loss is near ln V."""
 
     def __init__(self, vocab_size: int, d: int, layers: int, heads: int, max_len: int):
         super().__init__()
         self.body = TinyTransformer(vocab_size, d, layers, heads, max_len, causal=True)
+        gpt2_init(self, layers)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.body(ids) @ self.body.tok.weight.T  # (B, T, V)
@@ -138,6 +143,23 @@ class TinyLM(nn.Module):
         """Next-token cross-entropy over ids (B, T)."""
         logits = self(ids[:, :-1])  # (B, T-1, V)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def gpt2_init(model: nn.Module, layers: int, std: float = 0.02) -> None:
+    """GPT-2's initialisation of a stack of `layers` nn.TransformerEncoderLayer blocks (with embeddings)."""
+    residual = std / math.sqrt(2 * layers)
+    for module in model.modules():
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, 0.0, std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.MultiheadAttention):
+            nn.init.normal_(module.in_proj_weight, 0.0, std)
+            nn.init.zeros_(module.in_proj_bias)
+    for module in model.modules():  # after the loop above: attention's out_proj is an nn.Linear too
+        if isinstance(module, nn.TransformerEncoderLayer):
+            nn.init.normal_(module.self_attn.out_proj.weight, 0.0, residual)
+            nn.init.normal_(module.linear2.weight, 0.0, residual)
 
 
 class SentenceEncoder(nn.Module):

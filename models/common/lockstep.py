@@ -1,6 +1,7 @@
 """Train several independent networks as one module, so one DeepSpeed engine (and its start-up) serves them all.
 
-With a summed loss each network's gradient is exactly its own loss's gradient, and AdamW is per-parameter, so the
+With a summed loss each network's gradient is exactly its own loss's gradient and AdamW is per-parameter; handed to
+the engine as its arms (`ctx.engine(model, lr, arms=model.nets)`), each network is also clipped on its own, so the
 networks train as they would apart (STACK-NOTES: "Many networks in one paper").
 """
 

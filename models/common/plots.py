@@ -1,4 +1,4 @@
-"""Plot helpers several papers share: ROC curves and score histograms (matplotlib, headless)."""
+"""Plot helpers several papers share: saving a figure, ROC curves and score histograms (matplotlib, headless)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,19 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from sklearn.metrics import roc_auc_score, roc_curve  # noqa: E402
+
+
+def save_figure(fig, path: Path, dpi: int = 110) -> None:
+    """Lay the figure out tightly, write it to `path` and free it (pyplot keeps every open figure)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
 
 
 def roc_curves(path: Path, labels: np.ndarray, scores: Mapping[str, np.ndarray], title: str) -> None:
     """One ROC curve per score (higher score = more likely positive), AUROC in the legend."""
+    from sklearn.metrics import roc_auc_score, roc_curve
+
     fig, ax = plt.subplots(figsize=(4.5, 4.5))
     for name, score in scores.items():
         fpr, tpr, _ = roc_curve(labels, score)
@@ -22,9 +30,7 @@ def roc_curves(path: Path, labels: np.ndarray, scores: Mapping[str, np.ndarray],
     ax.plot([0, 1], [0, 1], "k:", lw=0.8)
     ax.set(xlabel="false positive rate", ylabel="true positive rate", title=title)
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def split_histogram(path: Path, values: np.ndarray, positive: np.ndarray, names: tuple[str, str], xlabel: str,
@@ -36,6 +42,4 @@ def split_histogram(path: Path, values: np.ndarray, positive: np.ndarray, names:
     ax.hist(values[positive], bins=bins, alpha=0.6, label=names[1], density=True)
     ax.set(xlabel=xlabel, ylabel="density", title=title)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -8,7 +8,8 @@ process continues a half-finished episode it restores the simulator's state from
 classic-control environments (whose `unwrapped.state` is the whole simulator state) are supported for that.
 
 `run_episodes` plays independent episodes side by side with one batched policy call per time step (evaluation,
-validation rollouts, reference returns).
+validation rollouts, reference returns). `reference_controller` is the hand-written controller the RL papers compare
+against and collect demonstrations with.
 """
 
 from __future__ import annotations
@@ -21,6 +22,20 @@ import torch
 
 # act(obs (obs_dim,) float32, row, generator) -> action (act_dim,) float32
 ActFn = Callable[[np.ndarray, int, torch.Generator], np.ndarray]
+
+
+def reference_controller(env_id: str, obs: np.ndarray) -> np.ndarray:
+    """Energy pumping, then a PD hold at the top (Pendulum); bang-bang on velocity (MountainCar). obs (B, obs_dim)
+    -> actions (B, act_dim)."""
+    if env_id.startswith("Pendulum"):
+        c, s, w = obs[:, 0], obs[:, 1], obs[:, 2]
+        energy = 0.5 * w**2 + 15 * c  # conserved by the unforced dynamics (thdd = 15 sin th); 15 at rest upright
+        swing = np.clip(0.3 * (15 - energy) * np.sign(w + 1e-6), -2, 2)
+        hold = np.clip(-(10 * np.arctan2(s, c) + 3 * w), -2, 2)
+        return np.where((c > 0.9) & (np.abs(w) < 3), hold, swing)[:, None]
+    if env_id.startswith("MountainCar"):
+        return np.where(obs[:, 1:2] >= 0, 1.0, -1.0)
+    raise ValueError(f"no reference controller for {env_id}")
 
 
 def make_env(env_id: str):
