@@ -279,13 +279,13 @@ def lineage_tags(request: RunRequest, force: bool, commit: str) -> dict[str, str
             "paperline.forced": str(bool(force)).lower()}
 
 
-def log_datasets(run_id: str, prepared) -> None:
+def log_datasets(run_id: str, prepared, first_index: int = 0) -> None:
     """Each replicate's data as an MLflow dataset input (the run's Datasets column): named by its DVC stage, digest =
     the DVC output hash, source = the stage and its output folder."""
     from mlflow.entities import Dataset, DatasetInput, InputTag
 
     inputs = []
-    for index, data in enumerate(prepared):
+    for index, data in enumerate(prepared, first_index):
         stage = data.stage
         source = json.dumps({"dvc_stage": stage.target, "path": str(stage.out_dir.relative_to(settings.root()))})
         dataset = Dataset(name=stage.target, digest=data.data_hash[:36], source_type="dvc", source=source)
@@ -349,6 +349,7 @@ def _replicate(spec, request: RunRequest, index: int, prepared, parent_id: str, 
         child_id = client.create_run(exp_id, run_name=tags["mlflow.runName"], tags=tags).info.run_id
         client.log_batch(child_id, params=[Param(k, v[:6000]) for k, v in
                                            tracking.flatten(rep.params.model_dump(mode="json")).items()])
+        log_datasets(child_id, [prepared], index)
     out_dir = settings.runs_dir() / paper / child_id
     with _failing(child_id):
         _say(f"[{label}] train: {rep.params.ranks} DeepSpeed rank(s), seed {rep.params.seed}, MLflow run {child_id}")

@@ -13,14 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
 import models
-
-if TYPE_CHECKING:  # imported where used: the contract brings in pydantic (~0.3 s) that `paperline list` does without
-    from models.contract import Paper, PaperParams
+from models.contract import Paper, PaperParams
 
 PROFILES = ("test", "smoke", "full")
 DEFAULT_PROFILE = "smoke"  # what `paperline run` runs; its data is the hand-written `prepare@<id>` DVC stage
@@ -52,8 +51,6 @@ def module_file(paper_id: str) -> Path:
 
 @cache
 def _load(paper_id: str) -> Paper:
-    from models.contract import Paper
-
     module = importlib.import_module(f"models.{paper_id}")
     paper = getattr(module, "PAPER", None)
     if not isinstance(paper, Paper):
@@ -121,8 +118,6 @@ def resolve(paper_id: str, profile: str, overrides: Mapping[str, Any] | None, pa
 
 
 def validate(paper: Paper, raw: Mapping[str, Any], where: str) -> PaperParams:
-    from pydantic import ValidationError
-
     try:
         return paper.Params.model_validate(dict(raw))
     except ValidationError as e:

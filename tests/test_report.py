@@ -60,3 +60,21 @@ def test_pipeline_runs_are_named_by_their_overrides_and_publish_their_verdict(mo
     assert markdown.startswith("## quantile_mia (smoke): holds")
     assert "- `method/a - baseline/b/a = 0.1 [0.05, 0.15] over 3 replicates -> holds`" in markdown
     assert "[abc123](http://127.0.0.1:5000/#/experiments/7/runs/abc123?workflowType=machine_learning)" in markdown
+
+
+def test_each_replicates_data_is_an_mlflow_dataset(workspace):
+    import json
+
+    from flows.pipeline import log_datasets
+    from tasks import tracking
+    from tasks.data import DataStage, PreparedData
+
+    client = tracking.client()
+    run_id = client.create_run(tracking.experiment_id("sei")).info.run_id
+    stage = DataStage(workspace / "dvc.yaml", "prepare@sei", workspace / "data" / "sei")
+    log_datasets(run_id, [PreparedData(stage, "a" * 32 + ".dir", 0.1, False)], first_index=2)
+    (got,) = client.get_run(run_id).inputs.dataset_inputs
+    assert (got.dataset.name, got.dataset.digest, got.dataset.source_type) == ("dvc.yaml:prepare@sei",
+                                                                               "a" * 32 + ".dir", "dvc")
+    assert json.loads(got.dataset.source) == {"dvc_stage": "dvc.yaml:prepare@sei", "path": "data/sei"}
+    assert [t.value for t in got.tags] == ["replicate 2"]
