@@ -8,12 +8,12 @@ from tasks.replicates import _claimed_op
 
 def _row(paper: str, verdict: str, reason: str = "", overrides: str = "", run_id: str = "r") -> report.Row:
     return report.Row(paper, f"{paper} title", f"{paper}/x > y", "part -> " + verdict, verdict, "d" * 32,
-                      run_id if verdict != "not run" else "", "smoke", "1", "3", reason, overrides=overrides)
+                      run_id if verdict != report.NOT_RUN else "", "smoke", "1", "3", reason, overrides=overrides)
 
 
 def test_scoreboard_orders_decisive_then_inconclusive_by_why_then_not_run(tmp_path, monkeypatch):
     monkeypatch.setenv("PAPERLINE_ROOT", str(tmp_path))
-    rows = [_row("a_not_run", "not run"),
+    rows = [_row("a_not_run", report.NOT_RUN),
             _row("b_zero", "inconclusive"),
             _row("c_shown", "inconclusive", "premise p not shown (x = 0.1 [-0.2, 0.3])"),
             _row("d_holds", "holds", overrides="epochs=5"),
@@ -31,7 +31,7 @@ def test_scoreboard_orders_decisive_then_inconclusive_by_why_then_not_run(tmp_pa
     assert "| smoke with epochs=5 |" in md.read_text()  # an override run says so
     html = page.read_text()
     assert html.index("d_holds") < html.index("e_failed") < html.index("a_not_run")
-    assert "decisive (2)" in html and "not run (1)" in html and "epochs=5" in html
+    assert "decisive (2)" in html and "not run here (1)" in html and "epochs=5" in html
     assert "table-layout:fixed" in html and "max-width:420px" not in html  # no wide table, no shrunken plots
 
 
@@ -42,6 +42,8 @@ def test_forest_plot_reads_the_claimed_side_from_the_comparison():
 
 
 def test_pipeline_runs_are_named_by_their_overrides_and_publish_their_verdict(monkeypatch, tmp_path):
+    import dataclasses
+
     import prefect.artifacts
 
     from flows import pipeline
@@ -57,9 +59,13 @@ def test_pipeline_runs_are_named_by_their_overrides_and_publish_their_verdict(mo
     pipeline.publish_artifact(result, "7")
     key, markdown, description = published[0]
     assert key == "claim-quantile-mia-smoke" and description == "quantile_mia: holds"
-    assert markdown.startswith("## quantile_mia (smoke): holds")
+    assert markdown.startswith("## quantile_mia (smoke) claim: holds")
     assert "- `method/a - baseline/b/a = 0.1 [0.05, 0.15] over 3 replicates -> holds`" in markdown
     assert "[abc123](http://127.0.0.1:5000/#/experiments/7/runs/abc123?workflowType=machine_learning)" in markdown
+    premises = dataclasses.replace(result, premises_only=True, verdict="premises met")
+    pipeline.publish_artifact(premises, "7")
+    key, markdown, _ = published[1]  # a premises-only run never publishes under the claim's key
+    assert key == "premises-quantile-mia-smoke" and markdown.startswith("## quantile_mia (smoke) premises:")
 
 
 def test_each_replicates_data_is_an_mlflow_dataset(workspace):
