@@ -35,6 +35,7 @@ from tasks import keys, quiet, settings, tracking, train  # noqa: E402
 from tasks.context import send_pending  # noqa: E402
 from tasks.steps import conclude, evaluate_task, prepare_task, recorded_metrics, train_task  # noqa: E402
 from tasks.train import TrainJob  # noqa: E402
+from tasks.worker import ranks_cpu_seconds  # noqa: E402
 
 
 def _say(message: str) -> None:
@@ -169,6 +170,10 @@ def _run(request: RunRequest, force: bool, start: float) -> dict:
                               ("replicates", sum(d.seconds for d in done)), ("conclude", now - t_conclude),
                               ("total", now - start)):
             client.log_metric(run_id, f"time/{name}_s", seconds, step=0)
+        measured = [d.cpu_s for d in done if d.cpu_s is not None]
+        if measured:  # the budget a paper issue sizes its profile by (smoke: <= 120 a replicate)
+            client.log_metric(run_id, "cpu/replicate_mean_s", sum(measured) / len(measured), step=0)
+            client.log_metric(run_id, "cpu/replicate_max_s", max(measured), step=0)
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
         if not request.premises_only:  # a premises-only run never becomes a model version, let alone champion
             promote_task(paper, run_id)
@@ -310,6 +315,7 @@ class ReplicateDone:
     run_id: str                 # the replicate's child run (its folder under runs/<id>/ holds its outputs)
     metrics: dict[str, float]   # its evaluation metrics
     seconds: float
+    cpu_s: float | None = None  # CPU seconds of its training ranks and evaluation (None: not measured)
 
 
 def _replicate(spec, request: RunRequest, index: int, prepared, parent_id: str, exp_id: str,
@@ -332,7 +338,8 @@ def _replicate(spec, request: RunRequest, index: int, prepared, parent_id: str, 
     if earlier is not None and earlier.info.status == "FINISHED":
         kept: Future[ReplicateDone] = Future()
         kept.set_result(ReplicateDone(earlier.info.run_id, recorded_metrics(
-            earlier, settings.runs_dir() / paper / earlier.info.run_id), 0.0))
+            earlier, settings.runs_dir() / paper / earlier.info.run_id), 0.0,
+            earlier.data.metrics.get("cpu/replicate_s")))
         return kept
     if earlier is not None:
         child_id = earlier.info.run_id
@@ -370,15 +377,22 @@ def _replicate(spec, request: RunRequest, index: int, prepared, parent_id: str, 
 
     def evaluate() -> ReplicateDone:
         with _failing(child_id):
-            t_eval = time.perf_counter()
+            t_eval, cpu_eval = time.perf_counter(), time.process_time()
             _say(f"[{label}] evaluate: method and baselines")
             metrics = evaluate_task.with_options(task_run_name=f"evaluate {label}")(
                 spec, rep.params, prepared.stage.out_dir, out_dir, child_id)
             evaluated_s = time.perf_counter() - t_eval
+            # this process's CPU while it evaluated (evaluations run one at a time; training is in other processes)
+            cpu = {"evaluate": time.process_time() - cpu_eval, "train": ranks_cpu_seconds(out_dir)}
+            if cpu["train"] is not None:
+                cpu["replicate"] = cpu["train"] + cpu["evaluate"]
             for name, seconds in (("train", trained_s), ("evaluate", evaluated_s)):
                 client.log_metric(child_id, f"time/{name}_s", seconds, step=0)
+            for name, seconds in cpu.items():
+                if seconds is not None:
+                    client.log_metric(child_id, f"cpu/{name}_s", seconds, step=0)
             client.set_terminated(child_id, RunStatus.to_string(RunStatus.FINISHED))
-        return ReplicateDone(child_id, metrics, trained_s + evaluated_s)
+        return ReplicateDone(child_id, metrics, trained_s + evaluated_s, cpu.get("replicate"))
 
     return evaluator.submit(contextvars.copy_context().run, evaluate)  # in this flow run's context
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import socket
 import sys
 import time
@@ -30,6 +31,7 @@ from tasks import settings  # noqa: E402
 from tasks.context import MetricSink, TrainContext  # noqa: E402
 
 DONE_MARKER = "TRAIN_DONE"
+CPU_FILE_PREFIX = "cpu.rank"  # cpu.rank<r>.json: a rank's CPU seconds over the whole training job
 PRESTART_WAIT_S = 3600
 
 
@@ -76,8 +78,23 @@ def run(spec: dict) -> None:
     paper.train(ctx)
     sink.flush()
     ctx.barrier()
+    _record_cpu(out_dir, rank)
     if rank == 0:
         (out_dir / DONE_MARKER).write_text("ok")
+
+
+def _record_cpu(out_dir: Path, rank: int) -> None:
+    """This rank's CPU seconds (user + system, all its threads and children, start-up included) in the run folder:
+    what a replicate's training cost, whatever else the machine was doing."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    seconds = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    (out_dir / f"{CPU_FILE_PREFIX}{rank}.json").write_text(json.dumps({"cpu_s": seconds}))
+
+
+def ranks_cpu_seconds(out_dir: Path) -> float | None:
+    """The CPU seconds every rank of a finished training recorded, summed; None when none did (an older run)."""
+    files = sorted(out_dir.glob(f"{CPU_FILE_PREFIX}*.json"))
+    return sum(json.loads(f.read_text())["cpu_s"] for f in files) if files else None
 
 
 def train_in_process(paper_id: str, params, data_dir: Path, out_dir: Path) -> None:

@@ -57,6 +57,9 @@ def test_sei_smoke_pipeline_tracks_reuses_and_versions_overrides(workspace, pref
     children = _children(first["run_id"])
     assert [c.data.tags["paperline.seed"] for c in children] == ["0", "1"]
     assert {c.info.status for c in children} == {"FINISHED"}
+    cpu = [c.data.metrics for c in children]  # the budget: training ranks' and evaluation's CPU seconds
+    assert all(m["cpu/replicate_s"] == m["cpu/train_s"] + m["cpu/evaluate_s"] and m["cpu/train_s"] > 1 for m in cpu)
+    assert metrics["cpu/replicate_mean_s"] == pytest.approx(sum(m["cpu/replicate_s"] for m in cpu) / 2)
     per_replicate = [c.data.metrics["method/cnn_auroc"] for c in children]
     assert metrics["method/cnn_auroc"] == sum(per_replicate) / 2 and min(per_replicate) > 0.8  # far above chance
     history = tracking.client().get_metric_history(children[0].info.run_id, "train/detect/loss")

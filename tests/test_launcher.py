@@ -40,6 +40,11 @@ def test_prestarted_job_trains_bitwise_like_a_new_one(tmp_path):
         flat_a, flat_b = _tensors(a), _tensors(b)
         assert flat_a.keys() == flat_b.keys() and flat_a
         assert all(torch.equal(flat_a[k], flat_b[k]) for k in flat_a), name
+    from tasks.worker import ranks_cpu_seconds
+
+    # each rank recorded what its job cost in CPU seconds: at least the training, at most the job's wall x cores
+    assert all(0.5 < ranks_cpu_seconds(tmp_path / run) < 600 for run in ("prestarted", "new"))
+    assert ranks_cpu_seconds(tmp_path) is None  # nothing recorded there
 
 
 def _tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:
