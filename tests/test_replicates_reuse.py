@@ -121,13 +121,13 @@ def test_default_run_ignores_replicates_and_timed_claims_are_known():
 
 def test_training_key_follows_what_training_imports_and_not_the_claim():
     paper_file = registry.module_file("token_sparse_attention")
-    files = {f.relative_to(keys.PACKAGE_ROOT).as_posix() for f in keys.training_files(paper_file)}
+    files = {keys.project_path(f) for f in keys.training_files(paper_file)}
     assert {"models/token_sparse_attention.py", "kernels/token_sparse.py", "tasks/worker.py", "tasks/context.py",
             "tasks/steps.py", "models/contract.py", "models/inputs.py"} <= files
     assert not files & {"models/verdicts.py", "tasks/planning.py", "tasks/tracking.py", "tasks/replicates.py",
                         "models/sei.py"}
     assert not any(f.startswith("flows/") for f in files)
-    sei = {f.relative_to(keys.PACKAGE_ROOT).as_posix() for f in keys.training_files(registry.module_file("sei"))}
+    sei = {keys.project_path(f) for f in keys.training_files(registry.module_file("sei"))}
     assert "kernels/token_sparse.py" not in sei  # only what the paper imports from kernels/ and models/common
 
     source = registry.module_file(PAPER).read_text()
