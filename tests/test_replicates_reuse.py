@@ -192,3 +192,13 @@ def test_scoreboard_header_names_stale_rows_and_papers_not_run_here():
         f"1 of 2 rows from the current commit `{'c' * 12}`; stale: b (`{'d' * 12}`)."
     assert commit_summary(rows[:1], "c" * 40).endswith("rows from the current commit `cccccccccccc`.")
     assert NOT_RUN == "not run here"
+
+
+def test_several_papers_take_a_replicates_override_and_nothing_else():
+    refused = CliRunner().invoke(app, ["run", "sei", "qubo_relax", "--set", "seed=1"])
+    assert refused.exit_code == 2 and "one paper at a time (except replicates" in refused.output
+    from flows.pipeline import run_papers
+
+    requests = [registry.request(pid, "test", {"seed": 1}, settings.params_file()) for pid in ("sei", "qubo_relax")]
+    with pytest.raises(registry.ConfigError, match="one paper at a time"):
+        run_papers(requests, force=False)
