@@ -423,8 +423,8 @@ def stored_replicates(request: RunRequest, prepared, exp_id: str) -> dict[int, A
             found[i] = run
     count, paper = request.replicates, request.paper
     if len(found) == count:
-        _say(f"[{paper}] all {count} replicates trained earlier with this code, params and data: only the claim "
-             "or the decision rule changed, deciding again from their stored metrics (no training)")
+        _say(f"[{paper}] all {count} replicates trained earlier with this code, params, data and seeds: deciding "
+             "from their stored metrics (no training)")
     elif found:
         missing = [f"r{i}" for i in range(count) if i not in found]
         _say(f"[{paper}] {len(found)} of {count} replicates trained earlier: training the {len(missing)} missing "

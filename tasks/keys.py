@@ -14,9 +14,9 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import importlib.util
 from pathlib import Path
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 # project code training may import (a file enters the key only when the import closure reaches it)
 TRAINING_ROOTS = ("models", "tasks", "kernels")
 # reached by those imports but deciding nothing that training computes: the verdict side, planning, tracking
@@ -76,10 +76,32 @@ def split_claim(source: str) -> tuple[str, str]:
     return b"".join(kept).decode(), b"\n".join(cut).decode()
 
 
+@functools.cache
+def _package_dir(top: str) -> Path | None:
+    """Where the top-level package `top` is imported from (found, not imported: a top-level name's spec)."""
+    spec = importlib.util.find_spec(top)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
+
+
+def project_path(path: Path) -> str:
+    """`models/common/x.py` for a file of one of the training roots (what the key hashes beside its bytes)."""
+    for top in TRAINING_ROOTS:
+        folder = _package_dir(top)
+        if folder is not None and path.is_relative_to(folder):
+            return f"{top}/{path.relative_to(folder).as_posix()}"
+    raise ValueError(f"{path} is not in the project's packages {TRAINING_ROOTS}")
+
+
 def _module_file(name: str) -> Path | None:
-    """`models.common.x` -> models/common/x.py (or its package's __init__.py), inside the project only."""
-    base = PACKAGE_ROOT.joinpath(*name.split("."))
-    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+    """`models.common.x` -> models/common/x.py (or its package's __init__.py), inside the training roots only."""
+    top, *rest = name.split(".")
+    folder = _package_dir(top) if top in TRAINING_ROOTS else None
+    if folder is None:
+        return None
+    base = folder.joinpath(*rest)
+    for candidate in ((base.with_suffix(".py"),) if rest else ()) + (base / "__init__.py",):
         if candidate.is_file():
             return candidate
     return None
@@ -96,7 +118,7 @@ def _imports_of(path: Path, mtime_ns: int, size: int) -> frozenset[Path]:
     version of the file (a suite keys 38 papers that share the runtime's files)."""
     source = path.read_text()
     tree = _parse(source)
-    package = ".".join(path.relative_to(PACKAGE_ROOT).with_suffix("").parts)
+    package = ".".join(Path(project_path(path)).with_suffix("").parts)
     if path.name != "__init__.py":
         package = package.rpartition(".")[0]
     found: set[Path] = set()
@@ -120,14 +142,18 @@ def _imports_of(path: Path, mtime_ns: int, size: int) -> frozenset[Path]:
 
 
 def _in_training(path: Path) -> bool:
-    rel = path.relative_to(PACKAGE_ROOT).as_posix()
-    return rel.split("/")[0] in TRAINING_ROOTS and not any(rel == x or rel.startswith(x + "/") for x in NOT_TRAINING)
+    try:
+        rel = project_path(path)
+    except ValueError:
+        return False
+    return not any(rel == x or rel.startswith(x + "/") for x in NOT_TRAINING)
 
 
 def training_files(paper_file: Path) -> list[Path]:
     """The paper's module and every project file the import closure of it and of the runtime entries reaches,
     less `NOT_TRAINING` (whose own imports are not followed)."""
-    todo = [paper_file, *(PACKAGE_ROOT / e for e in RUNTIME_ENTRIES)]
+    todo = [paper_file.resolve(), *(f for f in (_module_file(e.removesuffix(".py").replace("/", "."))
+                                                for e in RUNTIME_ENTRIES) if f is not None)]
     seen: set[Path] = set()
     while todo:
         path = todo.pop()
@@ -141,14 +167,14 @@ def training_files(paper_file: Path) -> list[Path]:
 def training_hash(paper_file: Path) -> str:
     digest = hashlib.sha256()
     for f in training_files(paper_file):
-        digest.update(f.relative_to(PACKAGE_ROOT).as_posix().encode())
+        digest.update(project_path(f).encode())
         source = f.read_bytes()
-        digest.update(split_claim(source.decode())[0].encode() if f == paper_file else source)
+        digest.update(split_claim(source.decode())[0].encode() if f == paper_file.resolve() else source)
     return digest.hexdigest()
 
 
 def verdict_hash(paper_file: Path) -> str:
     digest = hashlib.sha256()
     digest.update(split_claim(paper_file.read_text())[1].encode())
-    digest.update((PACKAGE_ROOT / VERDICT_RULE).read_bytes())
+    digest.update(_module_file(VERDICT_RULE.removesuffix(".py").replace("/", ".")).read_bytes())
     return digest.hexdigest()

@@ -121,13 +121,13 @@ def test_default_run_ignores_replicates_and_timed_claims_are_known():
 
 def test_training_key_follows_what_training_imports_and_not_the_claim():
     paper_file = registry.module_file("token_sparse_attention")
-    files = {f.relative_to(keys.PACKAGE_ROOT).as_posix() for f in keys.training_files(paper_file)}
+    files = {keys.project_path(f) for f in keys.training_files(paper_file)}
     assert {"models/token_sparse_attention.py", "kernels/token_sparse.py", "tasks/worker.py", "tasks/context.py",
             "tasks/steps.py", "models/contract.py", "models/inputs.py"} <= files
     assert not files & {"models/verdicts.py", "tasks/planning.py", "tasks/tracking.py", "tasks/replicates.py",
                         "models/sei.py"}
     assert not any(f.startswith("flows/") for f in files)
-    sei = {f.relative_to(keys.PACKAGE_ROOT).as_posix() for f in keys.training_files(registry.module_file("sei"))}
+    sei = {keys.project_path(f) for f in keys.training_files(registry.module_file("sei"))}
     assert "kernels/token_sparse.py" not in sei  # only what the paper imports from kernels/ and models/common
 
     source = registry.module_file(PAPER).read_text()
@@ -192,3 +192,13 @@ def test_scoreboard_header_names_stale_rows_and_papers_not_run_here():
         f"1 of 2 rows from the current commit `{'c' * 12}`; stale: b (`{'d' * 12}`)."
     assert commit_summary(rows[:1], "c" * 40).endswith("rows from the current commit `cccccccccccc`.")
     assert NOT_RUN == "not run here"
+
+
+def test_several_papers_take_a_replicates_override_and_nothing_else():
+    refused = CliRunner().invoke(app, ["run", "sei", "qubo_relax", "--set", "seed=1"])
+    assert refused.exit_code == 2 and "one paper at a time (except replicates" in refused.output
+    from flows.pipeline import run_papers
+
+    requests = [registry.request(pid, "test", {"seed": 1}, settings.params_file()) for pid in ("sei", "qubo_relax")]
+    with pytest.raises(registry.ConfigError, match="one paper at a time"):
+        run_papers(requests, force=False)
