@@ -5,8 +5,8 @@ The lineage a run records (see `flows/pipeline.py`): the commit holding exactly 
 kept alive by `refs/paperline/<run id>`), the params as given with the profile (`inputs/run_inputs.json`; the world
 size is `params.ranks`), and the DVC data hash. The scratch is a shared clone of this repository at that commit with
 the recorded params written into its `params.yaml`; it uses this project's DVC cache and MLflow store, so the new
-run lands beside the original, tagged `paperline.reproduces=<run id>`. Timings (`time/*`) and the load and waits
-timed parts were measured under (`timing/*`) are not compared.
+run lands beside the original, tagged `paperline.reproduces=<run id>`. Timings (`time/*`), CPU seconds (`cpu/*`)
+and the load and waits timed parts were measured under (`timing/*`) are not compared.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def reproduce(run_id: str, keep: bool = False) -> Comparison:
         raise RuntimeError(f"the rerun of {run_id} finished but recorded no MLflow run tagged paperline.reproduces")
     new = found[0]
     a, b = original.data.metrics, new.data.metrics
-    rows = [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if not k.startswith(("time/", "timing/"))]
+    rows = [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if not k.startswith(("time/", "timing/", "cpu/"))]
     result = Comparison(run_id, new.info.run_id, (original.data.tags.get("paperline.data_hash", ""),
                                                   new.data.tags.get("paperline.data_hash", "")), rows)
     client.set_tag(new.info.run_id, "paperline.reproduced", str(result.matches).lower())
