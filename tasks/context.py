@@ -184,10 +184,9 @@ class ArmsAdamW(torch.optim.AdamW):
 
 @dataclass
 class EngineExtras:
-    """What `TrainContext.engine` adds to a DeepSpeed engine (`engine.paperline`): its arms' names and the EMA
-    copy of its weights (AveragedModel, or None)."""
+    """What `TrainContext.engine` adds to a DeepSpeed engine (`engine.paperline`; a plain object, so the engine,
+    an nn.Module, does not register the EMA as a submodule it trains): the EMA copy of its weights, or None."""
 
-    arms: list[str]
     ema: Any = None
 
 
@@ -309,7 +308,7 @@ class TrainContext:
             assert engine.gradient_clipping() == 0.0, "arms are clipped apart, never by DeepSpeed's global clip"
         if engine.lr_scheduler is not None:
             engine.lr_scheduler.step()  # step k trains at the schedule's rate k (DeepSpeed starts it at -1)
-        engine.paperline = EngineExtras(arms=[g["name"] for g in groups], ema=averaged)
+        engine.paperline = EngineExtras(ema=averaged)
         return engine
 
     # ---- the training loop ---------------------------------------------------------------------------------
