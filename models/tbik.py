@@ -365,7 +365,6 @@ def train(ctx) -> None:
 
     ctx.fit("rl", engine, rl_train, rl_batch, p.rl_steps, state=state, log_every=5)
     if ctx.rank == 0:
-        torch.save(lm.state_dict(), ctx.out_dir / "lm.pt")
         torch.save({"state": {k: v.numpy() for k, v in state.items()}, "bigram": bigram}, ctx.out_dir / "rl.pt")
 
 
@@ -402,8 +401,7 @@ def evaluate(ctx) -> dict[str, float]:
             rel_err = max(rel_err, float(err.nan_to_num(0.0).max()))
             merge("sum_tbik_triton", pair_stats({tp: K.tbik_sum(e, tp) for tp in p.tp_sizes}))
 
-    lm = _new_lm(p)
-    lm.load_state_dict(torch.load(ctx.out_dir / "lm.pt"))
+    lm = ctx.network("lm")  # the pretrained LM (the RL arms train copies of it)
     tokens = load_tokens(ctx.data_dir)
     held = tokens[int(0.9 * len(tokens)):][: p.decode_prompts]
     lm_stats, decode_div, first_div = {}, {}, {}

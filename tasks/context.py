@@ -161,7 +161,8 @@ class ArmsAdamW(torch.optim.AdamW):
     """AdamW whose param groups are arms: before the update, a group with a `max_norm` has its gradient clipped to
     that norm on its own (torch.nn.utils.get_total_norm and clip_grads_with_norm_, i.e. clip_grad_norm_ over the
     arm). `partitioned`: the group holds this rank's ZeRO partition of the arm, so the squared norm is summed over
-    the ranks first. DeepSpeed's ZeRO optimizer steps one group at a time, in the same order on every rank."""
+    the ranks first. DeepSpeed's ZeRO optimizer steps one group at a time, in the same order on every rank (ZeRO-3
+    steps sub-groups, which split a group only beyond its `sub_group_size`; tests/test_arms.py checks ZeRO 0 and 1)."""
 
     def __init__(self, groups: list[dict], lr: float, weight_decay: float, partitioned: bool):
         super().__init__(groups, lr=lr, weight_decay=weight_decay)
@@ -183,10 +184,9 @@ class ArmsAdamW(torch.optim.AdamW):
 
 @dataclass
 class EngineExtras:
-    """What `TrainContext.engine` adds to a DeepSpeed engine (`engine.paperline`): its arms' names and the EMA
-    copy of its weights (AveragedModel, or None)."""
+    """What `TrainContext.engine` adds to a DeepSpeed engine (`engine.paperline`; a plain object, so the engine,
+    an nn.Module, does not register the EMA as a submodule it trains): the EMA copy of its weights, or None."""
 
-    arms: list[str]
     ema: Any = None
 
 
@@ -196,12 +196,26 @@ def ema_module(engine: Any) -> torch.nn.Module | None:
     return extras.ema.module if extras is not None and extras.ema is not None else None
 
 
+class _ParametersAs:
+    """A module's parameters cast to `dtype` (its buffers as they are), as AveragedModel.update_parameters reads
+    them."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype):
+        self.module, self.dtype = module, dtype
+
+    def parameters(self):
+        return (q.detach().to(self.dtype) for q in self.module.parameters())
+
+    def buffers(self):
+        return self.module.buffers()
+
+
 def _update_ema(averaged: Any, model: torch.nn.Module) -> None:
-    """Average the parameters; buffers (batch-norm statistics, counters) follow the live model."""
-    averaged.update_parameters(model)
-    with torch.no_grad():
-        for mine, live in zip(averaged.module.buffers(), model.buffers(), strict=True):
-            mine.copy_(live)
+    """Average the parameters, in the EMA's own precision (fp32 while DeepSpeed trains a bf16 copy: a bf16 average
+    would lose the small updates); AveragedModel keeps the buffers equal to the live model's."""
+    mine, live = next(averaged.module.parameters(), None), next(model.parameters(), None)
+    same = mine is None or live is None or mine.dtype == live.dtype
+    averaged.update_parameters(model if same else _ParametersAs(model, mine.dtype))
 
 
 FIT_METRICS = "fit_metrics.json"  # per phase, what the loop measured (plateau): part of the replicate's metrics
@@ -294,7 +308,7 @@ class TrainContext:
             assert engine.gradient_clipping() == 0.0, "arms are clipped apart, never by DeepSpeed's global clip"
         if engine.lr_scheduler is not None:
             engine.lr_scheduler.step()  # step k trains at the schedule's rate k (DeepSpeed starts it at -1)
-        engine.paperline = EngineExtras(arms=[g["name"] for g in groups], ema=averaged)
+        engine.paperline = EngineExtras(ema=averaged)
         return engine
 
     # ---- the training loop ---------------------------------------------------------------------------------

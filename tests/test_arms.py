@@ -106,6 +106,16 @@ def test_an_arm_beside_a_1000x_arm_trains_bitwise_as_alone(world, tmp_path):
         assert _equal(_arm(beside, ema=True), _arm(alone, ema=True))
         assert not _equal(_arm(beside), _arm(beside, ema=True))  # the EMA is an average, not the last step
     if world == 1:
+        from flows.serving import load_networks
+        from tasks.context import EvalContext
+
+        folder = tmp_path / "z0-beside"
+        ctx = EvalContext(params=PaperParams(), data_dir=folder, out_dir=folder, plots_dir=folder)
+        assert _equal(ctx.network("arms", ema=True)["a"].state_dict(), _arm(folder, ema=True))
+        assert not ctx.network("arms").training
+        assert list(load_networks(folder)) == list(load_networks(folder, ema=True)) == ["arms"]  # no "arms.ema"
+        with pytest.raises(FileNotFoundError, match="no such network"):
+            ctx.network("other")
         alone = _arm(tmp_path / "z0-alone")
         assert not _equal(_arm(tmp_path / "together"), alone), "a global clip couples the arms (the control)"
         assert not _equal(_arm(tmp_path / "unclipped"), alone), "the arm's own clip acts"

@@ -66,7 +66,8 @@ def test_killed_phase_with_arms_a_schedule_and_an_ema_resumes_bitwise(tmp_path):
     code = ("import sys; from pathlib import Path; from tasks.worker import _init_distributed; _init_distributed(); "
             "from tests.test_arms import SCHEDULE, train_phase; "
             "train_phase(Path(sys.argv[1]), 0, ('a', 'b'), checkpoint_every=3, **SCHEDULE)")
-    env = {**os.environ, "PYTHONPATH": str(PROJECT)}
+    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")  # an in-process test's group
+    env = {**{k: v for k, v in os.environ.items() if k not in rendezvous}, "PYTHONPATH": str(PROJECT)}
 
     def train(folder, **extra):
         return subprocess.run([sys.executable, "-c", code, str(folder)], env={**env, **extra}, capture_output=True,
