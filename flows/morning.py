@@ -83,8 +83,11 @@ def paper_line(paper_id: str, since_ms: int, profile: str) -> Line:
 
     # pipeline (parent) runs only: each replicate's child run starts just after its parent and holds no verdict
     in_profile = f"tags.`paperline.profile` = '{profile}' and tags.`paperline.kind` = 'pipeline'"
-    started = client.search_runs([exp.experiment_id], f"{in_profile} and attributes.start_time >= {since_ms}",
-                                 order_by=["attributes.start_time DESC"], max_results=1)
+    # a premises-only run decides no claim: it is neither what retrained a paper nor a verdict before
+    started = [r for r in client.search_runs([exp.experiment_id],
+                                             f"{in_profile} and attributes.start_time >= {since_ms}",
+                                             order_by=["attributes.start_time DESC"], max_results=20)
+               if r.data.tags.get("paperline.premises_only") != "true"][:1]
     finished = client.search_runs([exp.experiment_id], f"{in_profile} and attributes.status = 'FINISHED' and "
                                   "tags.`claim.verdict` != ''", order_by=["attributes.start_time DESC"],
                                   max_results=TREND_RUNS)
@@ -134,6 +137,8 @@ def retrain_reason(run, before) -> str:
     tags = run.data.tags
     if tags.get("paperline.forced") == "true":
         return "--force"
+    if tags.get("paperline.lineage") == "re-decided":
+        return "claim or decision rule changed: re-decided from stored replicates, no training"
     if before is None:
         return "first run of this profile"
     old = before.data.tags

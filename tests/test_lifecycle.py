@@ -128,6 +128,10 @@ def test_retrain_reason_names_the_changed_parts():
     assert morning.retrain_reason(both, run(**base)) == "code and data changed"
     assert morning.retrain_reason(run(**base), None) == "first run of this profile"
     assert "or --force" in morning.retrain_reason(run(**base), run())  # a run from before the hashes were tagged
+    redecided = run(**{**base, "paperline.claim_hash": "k2", "paperline.lineage": "re-decided"})
+    assert "re-decided from stored replicates" in morning.retrain_reason(redecided, run(**base))
+    assert morning.retrain_reason(run(**{**base, "paperline.claim_hash": "k2"}),
+                                  run(**{**base, "paperline.claim_hash": "k1"})) == "claim changed"
 
 
 @pytest.mark.e2e
