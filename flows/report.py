@@ -157,7 +157,7 @@ def write(rows: list[Row], out_dir: Path | None = None) -> tuple[Path, Path]:
     md_path = out_dir / "scoreboard.md"
     md_path.write_text("\n".join(md) + "\n")
     html_path = out_dir / "scoreboard.html"
-    html_path.write_text(page(rows, summary + ". " + commits, ui))
+    html_path.write_text(page(rows, summary + ". " + commits.rstrip("."), ui))
     return md_path, html_path
 
 
