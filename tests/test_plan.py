@@ -575,25 +575,15 @@ class _Measured(Exception):
     """Ends a paper's train() after its first phase was measured."""
 
 
-class _RealEngine:
-    """A plain PyTorch engine (forward, `.module`, backward, AdamW step): what a DeepSpeed engine does on 1 rank."""
+class _RealEngine(planning._Engine):
+    """The planning engine with a real AdamW step: what a DeepSpeed engine does on 1 rank."""
 
     def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0, **_options):
-        self.module = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-
-    def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        super().__init__(model, lr, weight_decay)
 
     def step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-
-    def __getattr__(self, name: str):
-        return getattr(self.__dict__["module"], name)
 
 
 class _MeasuringContext:
