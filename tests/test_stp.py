@@ -157,3 +157,23 @@ def test_claim_is_inconclusive_when_edm_makes_no_stable_molecule():
     assert worked.verdict == "holds"
     empty = claim.decide([replicate(r, 0.0) for r in range(3)])
     assert empty.verdict == "inconclusive" and "edm_molecules_stable" in empty.reason
+
+
+def test_edm_premises_guard_only_the_chemistry_parts():
+    """EDM making no stable or valid molecule leaves only the `>= EDM's` parts undecided: a commitment-time part that
+    fails still decides the claim."""
+    from models.stp import PAPER
+    from models.verdicts import FAILS
+
+    metrics = []
+    for i in range(3):
+        row = {f"{arm}/{name}": 0.5 for arm in ("method", "baseline/edm", "baseline/global")
+               for name in ("ts_bin_std", "ts_abs_slope")}
+        row |= {"baseline/edm/mol_stability": 0.0, "baseline/edm/validity": 0.0,
+                "method/mol_stability": 0.0, "method/validity": 0.0,
+                "method/ts_bin_std": 0.9 + i / 100}  # the method's times spread more than EDM's: that part fails
+        metrics.append(row)
+    result = PAPER.claim.decide(metrics)
+    undecided = {p.text.split()[0] for p in result.parts if p.undecided_by}
+    assert undecided == {"method/validity", "method/mol_stability"}
+    assert result.verdict == FAILS
