@@ -34,8 +34,9 @@ system-deps:
 	apt-get install -y -q $$need >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q $$need >/dev/null; }
 
 # The suite, then the linter: exactly what CI runs (.ci/run)
+# (one pytest-xdist worker per core, each pinned to its core: tests/conftest.py)
 test: $(STAMP) system-deps
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist worksteal
 	$(BIN)/ruff check .
 
 lint: $(STAMP)

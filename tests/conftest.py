@@ -12,7 +12,16 @@ from pathlib import Path
 import pytest
 
 PROJECT = Path(__file__).resolve().parents[1]
-os.environ["PREFECT_HOME"] = str(PROJECT / ".cache" / "test-prefect-home")
+# Under pytest-xdist (`make test` runs `-n auto`) worker gwN owns one core: its tests and every process they start
+# inherit the affinity mask (training reads its thread count from it), so two workers never oversubscribe the cores;
+# each worker keeps its own Prefect home and quiet-timing lock, so a timed test waits only on its own worker's work.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if WORKER:
+    _cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {_cores[int(WORKER.removeprefix("gw")) % len(_cores)]})
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["PAPERLINE_QUIET_LOCK"] = str(PROJECT / ".cache" / f"test-quiet-{WORKER}")
+os.environ["PREFECT_HOME"] = str(PROJECT / ".cache" / f"test-prefect-home{'-' + WORKER if WORKER else ''}")
 # Prefect creates its home without parents: on a fresh clone .cache/ does not exist yet
 Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
 os.environ.setdefault("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", "true")
