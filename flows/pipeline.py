@@ -352,7 +352,8 @@ def _replicate(spec, request: RunRequest, index: int, prepared, parent_id: str, 
                 "paperline.training_key": key,
                 "paperline.data_hash": prepared.data_hash, "paperline.data_stage": prepared.stage.target,
                 "paperline.seed": str(rep.params.seed), "paperline.pid": str(os.getpid()),
-                "mlflow.runName": f"{paper}-{request.profile}-r{index}"}
+                "mlflow.runName": f"{paper}-{request.profile}-r{index}",
+                **{k: v for k, v in client.get_run(parent_id).data.tags.items() if k.startswith("mlflow.source.")}}
         child_id = client.create_run(exp_id, run_name=tags["mlflow.runName"], tags=tags).info.run_id
         client.log_batch(child_id, params=[Param(k, v[:6000]) for k, v in
                                            tracking.flatten(rep.params.model_dump(mode="json")).items()])

@@ -57,6 +57,7 @@ def test_sei_smoke_pipeline_tracks_reuses_and_versions_overrides(workspace, pref
     children = _children(first["run_id"])
     assert [c.data.tags["paperline.seed"] for c in children] == ["0", "1"]
     assert {c.info.status for c in children} == {"FINISHED"}
+    assert {c.data.tags["mlflow.source.name"] for c in children} == {tags["mlflow.source.name"]}  # the Source column
     cpu = [c.data.metrics for c in children]  # the budget: training ranks' and evaluation's CPU seconds
     assert all(m["cpu/replicate_s"] == m["cpu/train_s"] + m["cpu/evaluate_s"] and m["cpu/train_s"] > 1 for m in cpu)
     assert metrics["cpu/replicate_mean_s"] == pytest.approx(sum(m["cpu/replicate_s"] for m in cpu) / 2)
