@@ -142,4 +142,15 @@ def test_report_head_searches_every_layer_from_two_up():
             2: m.attention_recovery(torch.stack([noise, planted], 1).softmax(-1), tokens, two_heads)}
     assert m.report_head(recs) == (2, 1) and recs[2]["head1/r2"] > 0.999
     assert max(recs[1][f"head{h}/r2"] for h in range(2)) < 0.5
-    assert [c.name for c in m.PAPER.claim.premises] == ["induction_heads_formed"]
+    assert [c.name for c in m.PAPER.claim.premises] == ["induction_heads_formed", "training_converged"]
+
+
+def test_convergence_premise_reads_the_engines_plateau():
+    """The verdict waits on the loss having plateaued: the premise reads what fit logs, and a run still descending
+    (a plateau value of 2/3, the engine's own example) does not meet it while a flat one does."""
+    from tasks.context import loss_plateau
+
+    (prem,) = [c for c in m.PAPER.claim.premises if c.name == "training_converged"]
+    assert prem.left == "train/markov/plateau"
+    flat, falling = loss_plateau([1.0, 1.001, 0.999, 1.0]), loss_plateau([4.0, 2.0, 1.0, 1.0])
+    assert prem.difference({prem.left: flat})[0] < 0 < prem.difference({prem.left: falling})[0]
