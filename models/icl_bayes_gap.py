@@ -30,8 +30,10 @@ Deviations from the paper (choices the abstract left open):
 - Claim thresholds (3 standard errors, R^2 0.9, 1%) are the spec's numbers, written into the context. The risk
   identity and the MIX decay hold for any predictor that depends only on the prompt, so they are context, not
   evidence; only the Bayes Gap's fall with M decides.
-- Premise (ours; the spec gives no factor): the largest-M uniform model's risk is within 2 x the Bayes risk, i.e.
-  its Bayes Gap is no larger than the Posterior Variance. Far above it the gap measures optimisation, not M.
+- Premise (ours): every model's validation MSE has plateaued (`detail/plateaued_fraction` 1), so the gap measures M
+  and the architecture, not unfinished optimisation. The largest-M model's risk against 2 x the Bayes risk (its Bayes
+  Gap no larger than the Posterior Variance) is context: at a plateau it measures how far a uniform-attention model
+  of this width gets toward f*, which the claim (the gap falls with M) does not need.
 - The stopping rule reads held-out prompts drawn from the mixture (`prompts_val_N<N>.parquet`), which no model
   trains on: they choose when to stop and which weights to keep, nothing else. The step cap binds where a model
   is still improving; the run reports which models plateaued (`detail/plateaued_fraction`).
@@ -579,12 +581,13 @@ PAPER = Paper(
     train=train,
     evaluate=evaluate,
     primary=("method/bg", "min"),
-    claim=Claim(premises=(  # BG measures M only where training got close to f*: else it measures optimisation
-        Compare("method/risk", "<=", "baseline/bayes/risk", scale=2.0, name="largest_M_model_near_bayes"),
+    claim=Claim(premises=(  # BG measures M, not optimisation, where every model's validation MSE has plateaued
+        Compare("detail/plateaued_fraction", ">=", 1.0, name="every_M_trained_to_plateau"),
     ), all_of=(
         Compare("method/bg_ratio_largest_to_smallest_M", "<", 1.0),
         Compare("method/bg_slope_M", "<", 0.0),
     ), context=(  # true of any predictor that depends only on the prompt: shown, not evidence (issue 21)
+        Compare("method/risk", "<=", "baseline/bayes/risk", scale=2.0),  # how close the architecture gets to f*
         Compare("method/identity_z_max", "<=", 3.0),
         Compare("method/mix_decay_rate", ">", 0.0),
         Compare("method/mix_fit_r2", ">=", 0.9),

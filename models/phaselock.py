@@ -251,7 +251,8 @@ class Both(nn.Module):
     def forward(self, x0, cond, t, eps, alphas_cumprod) -> dict[str, torch.Tensor]:
         ab = alphas_cumprod[t].view(-1, 1, 1, 1, 1)
         x_t = ab.sqrt() * x0 + (1 - ab).sqrt() * eps  # (B, T, 1, S, S)
-        return {"eps": F.mse_loss(self.unet(x_t, t, cond), eps), "ae": self.ae(x0.flatten(0, 1))}
+        v = ab.sqrt() * eps - (1 - ab).sqrt() * x0  # v-prediction target (Salimans & Ho 2022)
+        return {"v": F.mse_loss(self.unet(x_t, t, cond), v), "ae": self.ae(x0.flatten(0, 1))}
 
 
 # ---- training ------------------------------------------------------------------------------------------------
@@ -305,8 +306,8 @@ def sample(unet: nn.Module, cond: torch.Tensor, noise: torch.Tensor, num_steps: 
         ab = ab_all[int(t)]
         with torch.set_grad_enabled(guide is not None):
             x_in = x.detach().requires_grad_(guide is not None)
-            eps = unet(x_in, torch.full((x.shape[0],), int(t)), cond)  # (B, T, 1, S, S)
-            x0 = ((x_in - (1 - ab).sqrt() * eps) / ab.sqrt()).clamp(-1, 1)  # clip_sample, as diffusers' default
+            v = unet(x_in, torch.full((x.shape[0],), int(t)), cond)  # (B, T, 1, S, S)
+            x0 = (ab.sqrt() * x_in - (1 - ab).sqrt() * v).clamp(-1, 1)  # no 1 / sqrt(alpha_bar): bounded error
             if guide is not None:
                 x0 = guide(k, x0, lambda loss, x_in=x_in: _input_grad(loss, x_in))
         x0 = x0.detach()
