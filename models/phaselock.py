@@ -8,9 +8,9 @@ What it implements (function names in brackets):
   ball at t = -1, -2) that encodes the initial velocity, so the conditioning image determines the true motion
   [prepare, render_ball];
 - the I2V model: a factorised space-time U-Net (per-frame 3x3 convs, then a temporal conv over frames, at two
-  resolutions) fed the noisy video plus the conditioning frame broadcast over time, predicting epsilon under the
-  cosine schedule; at this scale the "latent" is pixel space (no VAE). A small frame autoencoder for the fidelity
-  features trains beside it in one DeepSpeed engine [SpaceTimeUNet, FrameAE, Both];
+  resolutions) fed the noisy video plus the conditioning frame broadcast over time, predicting v = sqrt(ab) eps -
+  sqrt(1 - ab) x0 under the cosine schedule; at this scale the "latent" is pixel space (no VAE). A small frame
+  autoencoder for the fidelity features trains beside it in one DeepSpeed engine [SpaceTimeUNet, FrameAE, Both];
 - DDIM (diffusers' DDIMScheduler, eta 0) with a per-step hook on x0_hat; the DDIM update uses the hooked x0_hat
   and the epsilon recomputed from it [sample];
 - spectral analysis: 3D FFT over (time, height, width) of x0_hat against the ground truth G; phase similarity PS
@@ -36,9 +36,12 @@ Deviations from the paper (choices the abstract and spec left open):
   (the prior's deltas) relative to the network's parameters and one video.
 - External guidance backpropagates through the network (the paper's reference, not the spec's x0_hat-only form,
   which is kept as `ballistic_hook`); its counted FLOPs include the backward passes.
-- x0_hat is clipped to [-1, 1] at every DDIM step (diffusers' clip_sample): the cosine schedule's first step
-  divides by sqrt(alpha_bar) ~ 1e-4. The FFTs take intensities in [0, 1] (background 0). PC skips frame 0 (the
-  conditioning image, whose trail moves its centroid).
+- v-prediction, not epsilon: with "trailing" spacing every run starts at t = 999, where the capped cosine
+  schedule's alpha_bar is ~2e-9; an epsilon model's x0_hat = (x_t - sqrt(1 - ab) eps_hat) / sqrt(ab) multiplies
+  the epsilon error by ~2e4 there (a saturated first estimate, an empty 2-step prior), while x0_hat = sqrt(ab) x_t
+  - sqrt(1 - ab) v_hat keeps the network's own, conditioned, estimate. x0_hat is still clipped to [-1, 1].
+- The FFTs take intensities in [0, 1] (background 0). PC skips frame 0 (the conditioning image, whose trail moves
+  its centroid).
 - Full: the Physics-IQ-style loader is `load_physics_iq` (CSV + mp4 through PyAV, or PNG frame folders; both
   tested on fixtures). The full profile does not read it: Physics-IQ gives no object trajectories, which the
   physics metric needs, so it runs the synthetic ball at larger scale, in pixel space (no VAE yet).
@@ -291,8 +294,8 @@ def ddim_scheduler(num_steps: int):
 @torch.no_grad()
 def sample(unet: nn.Module, cond: torch.Tensor, noise: torch.Tensor, num_steps: int, hook=None,
            record: list | None = None, guide=None) -> torch.Tensor:
-    """Deterministic DDIM (eta 0) through diffusers' scheduler. x0_hat is clipped to the data range [-1, 1]
-    (diffusers' clip_sample; 1 / sqrt(alpha_bar) reaches ~1e4 at the cosine schedule's first step); `hook(k,
+    """Deterministic DDIM (eta 0) through diffusers' scheduler. The U-Net predicts v; x0_hat = sqrt(ab) x_t -
+    sqrt(1 - ab) v_hat, clipped to the data range [-1, 1]; `hook(k,
     x0_hat)` may change it at step k; the update then uses it and the epsilon recomputed from it. `guide(k, x_t,
     x0_hat, grad)` is external guidance through the network: x0_hat is computed with autograd on x_t, and the
     guide gets the function grad(loss) -> d loss / d x_t (a backward pass through the U-Net) [ballistic_guide]."""
