@@ -65,6 +65,7 @@ from models.common.tables import read_table, write_table
 from models.contract import Claim, Compare, Paper, PaperParams
 
 TRAIN_STEPS = 1000  # DDPM timesteps of the cosine schedule
+CENTROID_LEVEL = 0.5  # intensity (0-1) above which a pixel weighs in the tracked centroid
 PC_FLOOR = 10.0  # premise: the 50-step run's PC (0-100) at least this, so PC can register a change
 
 
@@ -363,9 +364,11 @@ def phaselock_hook(prior: torch.Tensor, num_steps: int, fraction: float, sigma: 
 
 
 def soft_centroids(x: torch.Tensor) -> torch.Tensor:
-    """(B, T, 1, S, S) in [-1, 1] -> (B, T, 2) intensity-weighted centroids (x, y); weights = intensity above 0.1
-    on the [0, 1] scale (differentiable almost everywhere); an empty frame gives the frame centre."""
-    w = ((x[:, :, 0] + 1) / 2 - 0.1).clamp(min=0)  # (B, T, S, S)
+    """(B, T, 1, S, S) in [-1, 1] -> (B, T, 2) intensity-weighted centroids (x, y); weights = intensity above
+    `CENTROID_LEVEL` on the [0, 1] scale (differentiable almost everywhere); an empty frame gives the frame centre.
+    The level sits between the ball (stripes 0.7-1) and faint background haze, which would pull the centroid to the
+    frame centre, and above the trail (0.35)."""
+    w = ((x[:, :, 0] + 1) / 2 - CENTROID_LEVEL).clamp(min=0)  # (B, T, S, S)
     grid = torch.arange(x.shape[-1], dtype=x.dtype)
     mass = w.sum((2, 3)).clamp(min=1e-4)
     cx, cy = (w.sum(2) * grid).sum(-1) / mass, (w.sum(3) * grid).sum(-1) / mass

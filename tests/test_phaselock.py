@@ -196,3 +196,11 @@ def test_first_step_x0_estimate_stays_conditioned_under_v_prediction():
               record=record)
     assert (record[0] - target).abs().max() < 0.05
     assert ((1 - ab) / ab).sqrt() * 0.01 > 100  # the epsilon parameterisation's amplification of the same error
+
+
+def test_centroid_tracker_ignores_background_haze():
+    # a ball at (5, 9) in a 16 x 16 frame under uniform haze of 0.25 (0-1 scale): the tracker must stay on the ball
+    frame = torch.from_numpy(pl.render_ball(16, 5.0, 9.0, 1.8, 0.3, 0.0)).float()
+    x = (torch.clamp(frame + 0.25, 0, 1) * 2 - 1).view(1, 1, 1, 16, 16)
+    c = pl.soft_centroids(x)[0, 0]
+    assert torch.allclose(c, torch.tensor([5.0, 9.0]), atol=0.3)
