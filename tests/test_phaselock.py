@@ -64,9 +64,14 @@ def test_ddim_with_an_oracle_reaches_the_target_and_matches_the_shared_sampler()
             a = ab[t].view(-1, 1, 1, 1, 1)
             return (x - a.sqrt() * target) / (1 - a).sqrt()
 
+    class VOracle(torch.nn.Module):  # the same oracle as v = sqrt(ab) eps - sqrt(1 - ab) x0, what the U-Net predicts
+        def forward(self, x, t, cond):
+            a = ab[t].view(-1, 1, 1, 1, 1)
+            return a.sqrt() * Oracle()(x, t, cond) - (1 - a).sqrt() * target
+
     noise = torch.randn(target.shape, generator=torch.Generator().manual_seed(4))
     record: list[torch.Tensor] = []
-    out = pl.sample(Oracle(), cond, noise, 5, record=record)
+    out = pl.sample(VOracle(), cond, noise, 5, record=record)
     assert torch.allclose(out, target, atol=1e-4) and len(record) == 5
     flat = lambda x, t: Oracle()(x.view(target.shape), t, cond).view(x.shape)  # noqa: E731
     ref = ddim_sample(flat, noise.view(1, 5, 8, 8), pl.TRAIN_STEPS, 5, schedule="cosine")
@@ -149,7 +154,7 @@ def test_networks_shapes_and_time_conditioning():
     assert not torch.allclose(eps, model.unet(x, torch.tensor([500, 500]), x[:, 0]))
     losses = model(x, x[:, 0], torch.tensor([3, 700]), torch.randn_like(x),
                    pl.ddpm_scheduler(pl.TRAIN_STEPS, "cosine").alphas_cumprod.float())
-    assert set(losses) == {"eps", "ae"} and all(torch.isfinite(v) for v in losses.values())
+    assert set(losses) == {"v", "ae"} and all(torch.isfinite(v) for v in losses.values())
 
 
 def test_load_physics_iq_decodes_mp4(tmp_path):
@@ -168,3 +173,34 @@ def test_load_physics_iq_decodes_mp4(tmp_path):
     assert videos.shape == (1, 4, 1, 8, 8) and rows[0]["scenario"] == "fall"
     expected = (torch.tensor([20, 60, 100, 140]) / 255 * 2 - 1)
     assert torch.allclose(videos[0, :, 0].mean((1, 2)), expected, atol=0.05)
+
+
+def test_first_step_x0_estimate_stays_conditioned_under_v_prediction():
+    # trailing spacing starts at t = 999 where alpha_bar ~ 2e-9: a v-model's error of 0.01 stays 0.01 in x0_hat,
+    # where the same error in an epsilon-model's output is multiplied by ~2e4 (a saturated, empty first estimate)
+    sched = pl.ddim_scheduler(2)
+    t0 = int(sched.timesteps[0])
+    ab = sched.alphas_cumprod.float()[t0]
+    assert t0 == pl.TRAIN_STEPS - 1 and ab < 1e-6
+    target = _video(b=2, seed=5) * 0.9
+    err = 0.01 * torch.randn(target.shape, generator=torch.Generator().manual_seed(6))
+
+    class NoisyV(torch.nn.Module):
+        def forward(self, x, t, cond):
+            a = sched.alphas_cumprod.float()[t].view(-1, 1, 1, 1, 1)
+            eps = (x - a.sqrt() * target) / (1 - a).sqrt()
+            return a.sqrt() * eps - (1 - a).sqrt() * target + err
+
+    record: list[torch.Tensor] = []
+    pl.sample(NoisyV(), target[:, 0], torch.randn(target.shape, generator=torch.Generator().manual_seed(7)), 2,
+              record=record)
+    assert (record[0] - target).abs().max() < 0.05
+    assert ((1 - ab) / ab).sqrt() * 0.01 > 100  # the epsilon parameterisation's amplification of the same error
+
+
+def test_centroid_tracker_ignores_background_haze():
+    # a ball at (5, 9) in a 16 x 16 frame under uniform haze of 0.25 (0-1 scale): the tracker must stay on the ball
+    frame = torch.from_numpy(pl.render_ball(16, 5.0, 9.0, 1.8, 0.3, 0.0)).float()
+    x = (torch.clamp(frame + 0.25, 0, 1) * 2 - 1).view(1, 1, 1, 16, 16)
+    c = pl.soft_centroids(x)[0, 0]
+    assert torch.allclose(c, torch.tensor([5.0, 9.0]), atol=0.3)
