@@ -47,6 +47,17 @@ class PaperParams(BaseModel):
                                          "name -> where it lies and how to get it (`paperline data <id>`).")
 
 
+Decay = Literal["constant", "cosine", "linear"]  # the engine's learning-rate decays after warm-up (tasks/context.py)
+
+
+class ScheduledParams(PaperParams):
+    """`PaperParams` plus the engine's learning-rate schedule, for a paper that passes them to
+    `ctx.engine(..., steps=, warmup=, decay=)`."""
+
+    warmup: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    decay: Decay = Field("constant", description="Learning-rate decay after warm-up, down to the last step.")
+
+
 class TrainContext(Protocol):
     """What `Paper.train` gets inside every rank (implemented in `tasks/context.py`)."""
 
@@ -59,7 +70,7 @@ class TrainContext(Protocol):
 
     def engine(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0, *,
                arms: Mapping[str, Any] | None = None, grad_clip: float | None = 1.0, steps: int | None = None,
-               warmup: int = 0, decay: str = "constant", ema: float | None = None) -> Any: ...
+               warmup: int = 0, decay: Decay = "constant", ema: float | None = None) -> Any: ...
     def fit(self, name: str, engine: Any, step_fn: Callable, batch_fn: Callable, num_steps: int,
             state: dict[str, torch.Tensor] | None = None, log_every: int = 10) -> None: ...
     def log(self, metrics: Mapping[str, float], step: int) -> None: ...

@@ -54,7 +54,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from models.common.tables import read_table
-from models.contract import Claim, Compare, Paper, PaperParams
+from models.contract import Claim, Compare, Paper, ScheduledParams
 
 ARCHS = ("uniform", "softmax")
 
@@ -67,7 +67,7 @@ class TaskType(BaseModel):
     pi: float = Field(gt=0, description="Mixture weight (normalised over types).")
 
 
-class Params(PaperParams):
+class Params(ScheduledParams):
     d: int = Field(5, ge=1, description="Input dimension.")
     types: list[TaskType] = Field(min_length=1, description="The K task types (mu, tau, sigma, pi).")
     train_M: list[int] = Field(description="Pretraining set sizes M (one model per M, N and arch).")
@@ -85,7 +85,6 @@ class Params(PaperParams):
     n_val: int = Field(2000, ge=10, description="Held-out validation prompts per N (for the plateau rule only).")
     batch_size: int = Field(64, ge=2, description="Prompts per model per step.")
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
-    decay: str = Field("constant", description="Learning-rate decay over the step cap (the engine's schedules).")
     archs: list[str] = Field(list(ARCHS), min_length=1, description="Architectures trained: uniform (the claim's) "
                              "and softmax (a twin no claim part reads).")
 
@@ -375,7 +374,7 @@ def train(ctx) -> None:
         x_v, y_v = np.stack(v["x"]), np.stack(v["y"])
         val[n] = tuple(t.to(ctx.device) for t in (*make_tokens(x_v, y_v, n, n),
                                                   torch.from_numpy(y_v[:, -1].astype(np.float32))))
-    net_module = ctx.engine(model, p.lr, arms=model.nets, steps=p.steps, decay=p.decay)
+    net_module = ctx.engine(model, p.lr, arms=model.nets, steps=p.steps, warmup=p.warmup, decay=p.decay)
     stops = {k: Plateau(p.patience, p.rel_tol) for k in model.names}
     snapshot = {k: detached_copy(net) for k, net in model.nets.items()}
     steps_done = 0
@@ -473,12 +472,13 @@ def evaluate(ctx) -> dict[str, float]:
     stopping = torch.load(ctx.out_dir / "stopping.pt")
     out: dict[str, float] = {"detail/train_steps": float(stopping["steps"]),
                              "detail/plateaued_fraction": float(np.mean(list(stopping["plateaued"].values())))}
-    z_max, bg = 0.0, {}
+    z_max, bg, preds = 0.0, {}, {}
     with torch.no_grad():
         for name, (arch, mtag, ntag) in zip(model.names, (k.split("_") for k in model.names), strict=True):
             m_, n_ = int(mtag[1:]), int(ntag[1:])
             pred = torch.cat([model.nets[name](*make_tokens(x[i : i + 4096], y[i : i + 4096], n_, n_))
                               for i in range(0, len(yq), 4096)]).double().numpy()
+            preds[name] = pred
             ident = risk_identity(yq, at_n[n_][0], pred)
             bg[(arch, m_, n_)] = ident["bg"]
             z = abs(ident["residual"]) / max(ident["residual_se"], 1e-12)
@@ -500,9 +500,7 @@ def evaluate(ctx) -> dict[str, float]:
     design = np.stack([moment_estimate(xv, yv, nt), np.ones(len(yv))], 1)  # (P, 2)
     coef = np.linalg.lstsq(design, yv[:, -1], rcond=None)[0]
     f_mom = np.stack([moment_estimate(x, y, nt), np.ones(len(yq))], 1) @ coef
-    with torch.no_grad():
-        f_big = torch.cat([model.nets[f"uniform_M{big}_N{nt}"](*make_tokens(x[i : i + 4096], y[i : i + 4096], nt, nt))
-                           for i in range(0, len(yq), 4096)]).double().numpy()
+    f_big = preds[f"uniform_M{big}_N{nt}"]
     out |= {
         "method/bg": bg[("uniform", big, nt)],
         "method/bg_slope_M": max(slopes[("uniform", n_)] for n_ in p.train_N),

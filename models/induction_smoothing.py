@@ -56,7 +56,7 @@ from scipy.stats import spearmanr
 from torch import nn
 
 from models.common.tables import read_table, write_table
-from models.contract import Claim, Compare, Paper, PaperParams
+from models.contract import Claim, Compare, Paper, ScheduledParams
 
 SETTINGS = ("A", "B")
 MODELS = ("bos_A", "bos_B", "nobos_A")  # (BOS or not, data setting)
@@ -65,7 +65,7 @@ MODELS = ("bos_A", "bos_B", "nobos_A")  # (BOS or not, data setting)
 KL_TOL = 0.005  # claim part 1: the excess KL over the best count baseline the claim allows (nats)
 
 
-class Params(PaperParams):
+class Params(ScheduledParams):
     S: int = Field(3, ge=2, description="Alphabet size.")
     k: int = Field(2, ge=1, description="Markov order.")
     alpha: float = Field(1.0, gt=0, description="Dirichlet concentration of the rows (setting A) / of q (B).")
@@ -81,8 +81,6 @@ class Params(PaperParams):
     steps: int = Field(1500, ge=1, description="Training steps (all three models in lock-step).")
     batch_size: int = Field(32, ge=2, description="Sequences per model per step.")
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate.")
-    warmup: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
-    decay: str = Field("constant", description="Learning-rate decay after warm-up: constant | cosine | linear.")
     grid: int = Field(12, ge=2, description="Points per axis of the (beta, beta0) grid of the disentangled model.")
 
     @model_validator(mode="after")

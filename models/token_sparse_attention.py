@@ -66,7 +66,7 @@ from torch import nn
 from kernels import token_sparse as T
 from models.common.tables import read_table, write_table
 from models.common.threads import available_cpus, torch_threads
-from models.contract import Claim, Compare, Paper, PaperParams
+from models.contract import Claim, Compare, Paper, ScheduledParams
 
 BOS, ASSIGN, QUERY = 0, 1, 2
 KEYS = range(4, 28)  # 24 key / variable symbols
@@ -74,7 +74,7 @@ VALUES = range(28, 52)  # 24 value symbols
 FILLER = range(52, 64)
 
 
-class Params(PaperParams):
+class Params(ScheduledParams):
     seq_len: int = Field(128, ge=32, description="Trained (and evaluated) sequence length L.")
     n_pairs: int = Field(4, ge=1, le=12, description="Key-value pairs M of the recall task.")
     hops: int = Field(2, ge=1, le=6, description="Assignments in a variable-tracking chain.")
@@ -87,8 +87,6 @@ class Params(PaperParams):
     steps: int = Field(400, ge=1, description="Training steps.")
     batch_size: int = Field(16, ge=2)
     lr: float = Field(3e-3, gt=0)
-    warmup: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
-    decay: str = Field("constant", description="Learning-rate decay after warm-up: constant | cosine | linear.")
     window: int = Field(16, ge=1, description="Observation window W (always kept).")
     pool: int = Field(7, ge=1, description="Average-pooling kernel of the scores.")
     n_min: int = Field(8, ge=1, description="Minimum kept tokens per head besides the window.")
