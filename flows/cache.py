@@ -2,7 +2,7 @@
 
 An unchanged rerun (same code, params as given, and data that DVC finds up to date) returns the earlier MLflow
 run's result. The flow does the same check inside `paper_pipeline`; `lookup` is the fast path the CLI tries first,
-so `paperline run <id>` on unchanged work costs an MLflow query and a DVC status, not a Prefect start (issue 6).
+so `paperline run <id>` on unchanged work costs an MLflow query and a DVC status, not a Prefect start.
 """
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from models import registry
-from tasks import data, settings, tracking
+from tasks import data, tracking
 
 
 @dataclass
@@ -56,30 +55,28 @@ def verdict_of(run) -> str:
     return {"true": "holds", "false": "does not hold"}.get(tags.get("claim.holds", ""), "")
 
 
-def lookup(papers: list[str], profile: str, overrides: dict[str, Any]) -> dict[str, PipelineResult]:
-    """The earlier finished run of exactly this work, per paper that has one (the others then run). Raises
-    ConfigError like `registry.resolve` for an unknown id or profile; unvalidated params simply never match a
-    finished run. One DVC repository (and one read of dvc.lock) serves every paper."""
+def lookup(asks: list[registry.RawRequest]) -> dict[str, PipelineResult]:
+    """The earlier finished run of exactly this work, per paper that has one (the others then run); unvalidated
+    params simply never match a finished run. One DVC repository (and one read of dvc.lock) serves every paper."""
     start = time.perf_counter()
-    raw = {pid: registry.raw_params(pid, profile, overrides, settings.params_file()) for pid in papers}
-    default = registry.is_default_run(profile, overrides)
-    stages = {pid: [data.stage_location(pid, profile, registry.replicate_raw(raw[pid], i), default and i == 0)
-                    for i in range(registry.replicate_count(raw[pid]))] for pid in papers}
+    stages = {ask.paper: [data.stage_location(ask.paper, ask.profile, ask.replicate_raw(i), ask.is_default and i == 0)
+                          for i in range(ask.replicates)] for ask in asks}
     hashes = data.current_hashes([stage for per_paper in stages.values() for stage in per_paper])
     if not any(hashes.values()) or not tracking.store_exists():
         return {}
     found: dict[str, PipelineResult] = {}
-    for pid in papers:
+    for ask in asks:
+        pid = ask.paper
         replicate_hashes = [hashes[stage.target] for stage in stages[pid]]
         data_hash = ",".join(replicate_hashes) if all(replicate_hashes) else None
         experiment = tracking.client().get_experiment_by_name(f"paperline/{pid}") if data_hash else None
         if experiment is None:
             continue
-        run = tracking.find_cached(experiment.experiment_id, tracking.run_key(pid, profile, raw[pid], data_hash))
+        run = tracking.find_cached(experiment.experiment_id, tracking.run_key(pid, ask.profile, ask.raw, data_hash))
         if run is None:
             continue
         tracking.mark_reused(run.info.run_id)
         print(f"[{pid}] unchanged code, params and data: reusing run {run.info.run_id} (use --force to retrain)",
               file=sys.stderr, flush=True)
-        found[pid] = PipelineResult.reused_run(run, pid, profile, data_hash, start)
+        found[pid] = PipelineResult.reused_run(run, pid, ask.profile, data_hash, start)
     return found

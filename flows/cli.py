@@ -82,18 +82,17 @@ def run(
 
             read_hostfile(Path(hostfile))
             os.environ["PAPERLINE_HOSTFILE"] = str(Path(hostfile).resolve())
-        for pid in ids:  # ids, profile and keys, before anything is imported
-            registry.raw_params(pid, profile, overrides, settings.params_file())
+        asks = [registry.ask(pid, profile, overrides, settings.params_file()) for pid in ids]  # nothing imported
         _say_started(ids, profile, overrides)
         if tracking.store_exists():  # a server, or the embedded store (whose first use creates it)
             tracking.check_reachable()
         # unchanged work answers from MLflow at once, before Prefect starts or any paper is imported
         from flows.cache import lookup
 
-        reused = {} if force or premises_only else lookup(ids, profile, overrides)
+        reused = {} if force or premises_only else lookup(asks)
         todo = [pid for pid in ids if pid not in reused]
         # every run resolved once (values checked, real inputs present) before any work; handed down as is
-        requests = [registry.request(pid, profile, overrides, settings.params_file()) for pid in todo]
+        requests = [ask.resolve() for ask in asks if ask.paper not in reused]
         if premises_only:
             requests = [replace(r, premises_only=True) for r in requests]
         if nodes != 1:  # multi-node on this machine (tasks.train.launch reads PAPERLINE_NODES)

@@ -38,7 +38,7 @@ def plan_paper(paper_id: str, profile: str = "full", overrides: Mapping[str, Any
     """Plan one paper's profile (overrides as `--set` gives them; `budget_s` CPU seconds for the trace, default
     `planning.BUDGET_S`), in a fresh process: the plan as `Plan.to_dict()`. Raises ConfigError on bad input, named
     here before the subprocess starts."""
-    registry.resolve(paper_id, profile, overrides, settings.params_file())  # bad keys and values named first
+    registry.ask(paper_id, profile, overrides, settings.params_file()).validated()  # bad keys and values first
     from tasks import planning
 
     if gpu is not None and gpu not in planning.GPUS:
@@ -52,8 +52,8 @@ def _plan_paper_here(paper_id: str, profile: str = "full", overrides: Mapping[st
     from tasks import planning
 
     params_file = settings.params_file()
-    raw = registry.raw_params(paper_id, profile, overrides, params_file)
-    test = registry.raw_params(paper_id, "test", None, params_file)
+    raw = registry.ask(paper_id, profile, overrides, params_file).raw
+    test = registry.ask(paper_id, "test", None, params_file).raw
     return planning.plan(paper_id, raw, test, profile=profile, gpu=gpu or planning.DEFAULT_GPU,
                          mfu=mfu or planning.DEFAULT_MFU, cache=_cache(), budget_s=budget_s)
 
@@ -85,7 +85,7 @@ def _serve(command: str, payload: dict[str, Any]) -> Any:
     if command == "metrics":
         from tasks import planning
 
-        test = registry.raw_params(payload["paper"], "test", None, settings.params_file())
+        test = registry.ask(payload["paper"], "test", None, settings.params_file()).raw
         return planning.plan(payload["paper"], payload["raw"], test, cache=_cache()).metrics()
     if command == "all":
         return _plan_all_here(payload["profile"], payload["gpu"], payload["mfu"], payload["ids"])

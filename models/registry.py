@@ -113,8 +113,7 @@ def raw_params(paper_id: str, profile: str, overrides: Mapping[str, Any] | None,
 
 def resolve(paper_id: str, profile: str, overrides: Mapping[str, Any] | None, params_file: Path) -> PaperParams:
     """Validated params of one paper run. Raises ConfigError naming the culprit; reads nothing but params.yaml."""
-    raw = raw_params(paper_id, profile, overrides, params_file)
-    return validate(get(paper_id), raw, where=f"papers.{paper_id}.{profile}")
+    return ask(paper_id, profile, overrides, params_file).validated()
 
 
 def validate(paper: Paper, raw: Mapping[str, Any], where: str) -> PaperParams:
@@ -138,6 +137,41 @@ class Replicate:
     raw: dict[str, Any]
     params: PaperParams
     is_default: bool  # its data is the hand-written `prepare@<id>` stage (replicate 0 of a default run)
+
+
+@dataclass(frozen=True)
+class RawRequest:
+    """One run as asked for, before validation: the ids, profile and keys checked, no paper imported. What the
+    CLI's cached-rerun check needs; `resolve()` turns it into the `RunRequest` every flow takes."""
+
+    paper: str
+    profile: str
+    overrides: dict[str, Any]
+    raw: dict[str, Any]   # the profile section + overrides as given: the cache key's params
+    params_file: Path
+
+    @property
+    def replicates(self) -> int:
+        return replicate_count(self.raw)
+
+    @property
+    def is_default(self) -> bool:
+        return is_default_run(self.profile, self.overrides)
+
+    def replicate_raw(self, index: int) -> dict[str, Any]:
+        return replicate_raw(self.raw, index)
+
+    def validated(self) -> PaperParams:
+        """The params, validated (imports the paper; ConfigError naming each bad key)."""
+        return validate(get(self.paper), self.raw, where=f"papers.{self.paper}.{self.profile}")
+
+    def resolve(self) -> RunRequest:
+        """The run request: params validated and the profile's real inputs present, before any work."""
+        params = self.validated()
+        from models.inputs import require_present  # a profile's real data must be on disk before any work
+
+        require_present(self.paper, params)
+        return RunRequest(self.paper, self.profile, self.overrides, self.raw, params)
 
 
 @dataclass(frozen=True)
@@ -184,12 +218,15 @@ def replicate_count(raw: Mapping[str, Any]) -> int:
     return count if isinstance(count, int) and count >= 1 else 1
 
 
+def ask(paper_id: str, profile: str, overrides: Mapping[str, Any] | list[str] | None,
+        params_file: Path) -> RawRequest:
+    """The one resolver: a run as asked for (overrides as `--set` gives them or as a dict), its id, profile and
+    keys checked, no paper imported. ConfigError names what is wrong."""
+    overrides = parse_overrides(overrides)
+    return RawRequest(paper_id, profile, overrides, raw_params(paper_id, profile, overrides, params_file),
+                      params_file)
+
+
 def request(paper_id: str, profile: str, overrides: Mapping[str, Any] | None, params_file: Path) -> RunRequest:
     """Resolve a run request: every id, profile, key and value checked before any work (ConfigError otherwise)."""
-    overrides = parse_overrides(overrides)
-    raw = raw_params(paper_id, profile, overrides, params_file)
-    params = validate(get(paper_id), raw, where=f"papers.{paper_id}.{profile}")
-    from models.inputs import require_present  # a profile's real data must be on disk before any work
-
-    require_present(paper_id, params)
-    return RunRequest(paper_id, profile, overrides, raw, params)
+    return ask(paper_id, profile, overrides, params_file).resolve()

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_dvc_lock_contention_waits_and_says_so(workspace, capfd):
-    raw = registry.raw_params("sei", "test", {}, settings.params_file())
+    raw = registry.ask("sei", "test", {}, settings.params_file()).raw
     stage = data.stage_for(registry.get("sei"), "test", registry.resolve("sei", "test", {}, settings.params_file()),
                            raw, is_default=False)
     result = {}

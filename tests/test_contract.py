@@ -90,6 +90,21 @@ def test_a_run_request_is_resolved_once_with_its_replicates():
         registry.request("sei", "smoke", {"replicates": 0}, PROJECT / "params.yaml")
 
 
+def test_an_ask_is_what_the_cache_check_and_the_flows_both_read():
+    """The CLI's cached-rerun check reads the unvalidated ask; the flows read the request it resolves to: the same
+    raw params and the same replicates, from one resolver."""
+    ask = registry.ask("sei", "smoke", ["seed=5", "replicates=2"], PROJECT / "params.yaml")
+    req = ask.resolve()
+    assert req.raw == ask.raw and req.replicates == ask.replicates == 2 and req.is_default == ask.is_default
+    assert [ask.replicate_raw(i) for i in range(2)] == [req.replicate(i).raw for i in range(2)]
+    assert req == registry.request("sei", "smoke", {"seed": 5, "replicates": 2}, PROJECT / "params.yaml")
+    unknown = registry.ask("sei", "smoke", {"no_such_key": 1}, PROJECT / "params.yaml")  # checked on validation
+    with pytest.raises(registry.ConfigError, match="papers.sei.smoke.no_such_key: unknown key"):
+        unknown.resolve()
+    with pytest.raises(registry.ConfigError, match="unknown profile"):
+        registry.ask("sei", "huge", None, PROJECT / "params.yaml")
+
+
 def test_malformed_params_yaml_is_a_config_error(tmp_path):
     bad = tmp_path / "params.yaml"
     bad.write_text("papers: [unclosed\n")

@@ -146,7 +146,7 @@ def test_full_profile_reads_the_amass_fixture_at_its_own_window(tmp_path):
     from tasks import settings
     from tasks.fixtures import real_format
 
-    full = registry.raw_params("motionmar", "full", None, settings.params_file())
+    full = registry.ask("motionmar", "full", None, settings.params_file()).raw
     fixture = real_format("motionmar", full, tmp_path / "fixture")
     assert set(fixture) == {"dataset", "amass_dir", "body_model"} and fixture["dataset"] == "amass"
     p = registry.validate(registry.get("motionmar"), {**full, **fixture}, where="motionmar.full on the fixture")

@@ -179,8 +179,8 @@ def test_a_full_profile_on_real_data_is_planned_on_a_fixture_in_that_format(tmp_
     on the test profile's 8x8 digits stand-in."""
     import pyarrow.parquet as pq
 
-    full = registry.raw_params("guda", "full", None, PROJECT / "params.yaml")
-    test = registry.raw_params("guda", "test", None, PROJECT / "params.yaml")
+    full = registry.ask("guda", "full", None, PROJECT / "params.yaml").raw
+    test = registry.ask("guda", "test", None, PROJECT / "params.yaml").raw
     folder, _, note = planning.planning_data(registry.get("guda"), full, test, tmp_path)
     assert "fixture in the real data's format" in note
     assert pq.read_schema(folder / "images.parquet").field("pixels").type.list_size == 3 * 32 * 32
