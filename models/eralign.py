@@ -407,7 +407,7 @@ def _claim() -> Claim:
         Compare("method/transfer_auc", ">", tuple(f"baseline/{k}/transfer_auc" for k in (*base, "cd"))),
         Compare("method/acc_r20", ">=", "baseline/cd/acc_r20", margin=-0.01),
         Compare("method/acc_r20", ">", "baseline/final_only/acc_r20"),
-    ), context=(  # counted work, deterministic given M, L and the Langevin steps: shown, not evidence (issue 24)
+    ), context=(  # counted work, deterministic given M, L and the Langevin steps: shown, not evidence
         Compare("method/cost_per_step", "<", "baseline/cd/cost_per_step"),
     ), summary="ERAlign beats every baseline at 5% and 20% labels and on link-prediction transfer; ED is cheaper "
                "than CD at no more than 1 point of accuracy; layer-wise beats final-only")

@@ -584,7 +584,7 @@ PAPER = Paper(
     ), all_of=(
         Compare("method/bg_ratio_largest_to_smallest_M", "<", 1.0),
         Compare("method/bg_slope_M", "<", 0.0),
-    ), context=(  # true of any predictor that depends only on the prompt: shown, not evidence (issue 21)
+    ), context=(  # true of any predictor that depends only on the prompt: shown, not evidence
         Compare("method/risk", "<=", "baseline/bayes/risk", scale=2.0),  # how close the architecture gets to f*
         Compare("method/identity_z_max", "<=", 3.0),
         Compare("method/mix_decay_rate", ">", 0.0),

@@ -735,7 +735,7 @@ PAPER = Paper(
         Compare("baseline/det/coverage", "<", "baseline/gen/coverage"),
         Compare("baseline/det/flip_rate", "<", 0.5),
         Compare("method/coverage", ">", "baseline/gen/coverage"),
-    ), context=(  # the probe's label ("context present") is an input token: built in (issue 24)
+    ), context=(  # the probe's label ("context present") is an input token: built in
         Compare("baseline/det/probe_gap", ">=", 0.10),
     ), note="AF3 and BioEmu stand-ins are small in-pipeline decoders on a synthetic hinge world; smoke's hit "
             "threshold is 1/3 of each target's A-B RMSD (the spec's 2 A over its 4-8 A band), not 2 A; finding 3 "

@@ -459,7 +459,7 @@ PAPER = Paper(
             Compare("method/speedup", ">=", 1.0),
             Compare("method/residual", "<", "baseline/intermediate_only/residual"),
         ),
-        context=(  # the same sampling network by construction: zero inference cost is shown, not tested (issue 22)
+        context=(  # the same sampling network by construction: zero inference cost is shown, not tested
             Compare("method/param_ratio", "<=", 1.0),
             Compare("method/param_ratio", ">=", 1.0),
         ),

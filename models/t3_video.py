@@ -582,7 +582,7 @@ PAPER = Paper(
             Compare("method/vtc", ">=", "baseline/full_zero_shot/vtc"),
             Compare("method/speedup_measured", ">=", 2.0, timed=True),
         ),
-        context=(  # an analytic FLOP count: shown, not evidence (issue 22)
+        context=(  # an analytic FLOP count: shown, not evidence
             Compare("method/flops_speedup_4k", ">=", 10.0),
         ),
         summary="the T3 retrofit beats the local-window retrofit and the cascade in FD, stays within 10% of "

@@ -467,7 +467,7 @@ _CPU_ATTENTION = _cpu_attention_flops()
 def _model_compute() -> frozenset:
     """Ops the FLOP counter counts (matmuls, convolutions, attention): model compute, which stays fake even on real
     inputs (weights a paper draws from its own seeded generator are real, and a real forward at the profile's size
-    would cost what the plan exists to avoid: fedgr's evaluation between rounds took ~7 CPU s of real convolutions)."""
+    would cost what the plan exists to avoid, e.g. fedgr's evaluation between rounds is real convolutions)."""
     from torch.utils.flop_counter import flop_registry
 
     return frozenset(flop_registry) | frozenset(_CPU_ATTENTION)
