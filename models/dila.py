@@ -6,11 +6,14 @@ What it implements (function names in brackets):
 - data: 32x32 RGB videos of a coloured load_digits sprite on a stripes/checker texture, moved by hidden actions
   (8 directions x speed 1 or 2 px) with a per-frame global brightness jitter the action does not cause [prepare];
 - DiLA [DiLA]: content pathway E_c(o_t) -> 64-d global code + 8x8x16 detail map [ContentEncoder]; structure pathway
-  E_s(o) -> 8x8x4 layout map [conv_stack]; latent action q(a | s_t, s_t+1), Gaussian in R^4, that sees structure
-  maps only [ActionEncoder]; structure dynamics F(s_t, a) [Dynamics]; generator D(s_hat, content) with FiLM from the
-  global code and skips from the detail map [Generator]. Loss |o_hat - o_t+1|^2 + beta KL [DiLA.loss];
+  E_s(o) -> 8x8x4 layout map [conv_stack] (every map is `map_side` = 8 on a side, whatever the frame size); latent
+  action q(a | s_t, s_t+1), Gaussian in R^4, that sees structure maps only [ActionEncoder]; structure dynamics
+  F(s_t, a) [Dynamics]; generator D(s_hat, content) with FiLM from the global code and skips from the detail map
+  [Generator]. Loss |o_hat - o_t+1|^2 + beta KL [DiLA.loss];
 - baselines: a continuous single-pathway LAM (inverse dynamics on raw frame pairs, D(o_t, a)) and a discrete LAM
-  with an 8-code VQ action [LAM]; the beta sweep trains DiLA and the continuous LAM at every beta in `betas`;
+  with an 8-code VQ action [LAM], both at the conv width that matches DiLA's parameter count [lam_width]; the
+  discrete LAM is in no claim part, so smoke leaves it out (`discrete_lam`); the beta sweep trains DiLA and the
+  continuous LAM at every beta in `betas`;
 - a digit classifier on rendered sprite crops, for action transfer [DigitNet]. Every network trains in lock-step
   in one DeepSpeed engine [Everything];
 - metrics: PSNR/SSIM of o_hat_t+1 with the inferred action, 4-step rollout PSNR, action transfer accuracy (template
@@ -45,7 +48,7 @@ from torch import nn
 
 from models.common import sequences as seq
 from models.common.tables import read_table, write_table
-from models.contract import Claim, Compare, Paper, PaperParams
+from models.contract import Claim, Compare, Paper, ScheduledParams
 
 TEXTURES = ("stripes", "checker")
 SPRITE = 10
@@ -53,10 +56,11 @@ A_DIM = 4
 PROBE_BAR = 0.5  # premise: the probe's R^2 of (dx, dy) from a model's inferred actions
 
 
-class Params(PaperParams):
+class Params(ScheduledParams):
     n_videos: int = Field(800, ge=4, description="Videos rendered by prepare.")
     n_frames: int = Field(8, ge=3, description="Frames per video.")
-    size: int = Field(32, ge=16, description="Frame side in pixels (a multiple of 4).")
+    size: int = Field(32, ge=16, description="Frame side in pixels (map_side times a power of 2).")
+    map_side: int = Field(8, ge=2, description="Side of the structure, detail and frame maps (the spec: 8x8).")
     brightness: float = Field(0.1, ge=0.0, lt=1.0, description="Global brightness jitter b: factor U[1-b, 1+b].")
     speeds: list[int] = Field([1, 2], min_length=1, description="Action speeds in px per frame.")
     test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="Held-out videos.")
@@ -65,6 +69,7 @@ class Params(PaperParams):
     steps: int = Field(300, ge=1, description="Training steps (all models in lock-step).")
     batch_size: int = Field(32, ge=2, description="Frame pairs per step.")
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    discrete_lam: bool = Field(True, description="Train and report the discrete (VQ) LAM beside the claim.")
     eval_pairs: int = Field(256, ge=2, description="Test frame pairs for fidelity and probes.")
     transfer_pairs: int = Field(64, ge=1, description="(A, B) pairs of the action-transfer test.")
     plan_goals: int = Field(16, ge=1, description="Planning problems (start, goal 3 steps later).")
@@ -125,16 +130,26 @@ def load_videos(data_dir: Path) -> dict[str, torch.Tensor]:
 
 
 # ---- networks ------------------------------------------------------------------------------------------------
-def conv_stack(cin: int, c: int, cout: int) -> nn.Sequential:
-    """(B, cin, S, S) -> (B, cout, S/4, S/4): two stride-2 convs and a 1x1 head."""
-    return nn.Sequential(nn.Conv2d(cin, c, 4, 2, 1), nn.SiLU(), nn.Conv2d(c, c, 4, 2, 1), nn.SiLU(),
-                         nn.Conv2d(c, cout, 1))
+def halvings(size: int, side: int) -> int:
+    """How many stride-2 stages take a size x size frame to a side x side map (size / side a power of 2)."""
+    k = int(round(np.log2(size / side)))
+    if k < 1 or side * 2**k != size:
+        raise ValueError(f"frame side {size} is not {side} times a power of 2 (at least 2)")
+    return k
+
+
+def conv_stack(cin: int, c: int, cout: int, down: int = 2) -> nn.Sequential:
+    """(B, cin, S, S) -> (B, cout, S/2^down, S/2^down): `down` stride-2 convs and a 1x1 head."""
+    layers: list[nn.Module] = []
+    for i in range(down):
+        layers += [nn.Conv2d(cin if i == 0 else c, c, 4, 2, 1), nn.SiLU()]
+    return nn.Sequential(*layers, nn.Conv2d(c, cout, 1))
 
 
 class ContentEncoder(nn.Module):
-    def __init__(self, c: int):
+    def __init__(self, c: int, down: int = 2):
         super().__init__()
-        self.detail = conv_stack(3, c, c)
+        self.detail = conv_stack(3, c, c, down)
         self.glob = nn.Linear(c, 64)
 
     def forward(self, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,15 +184,16 @@ class Dynamics(nn.Module):
 
 
 class Generator(nn.Module):
-    """8x8 map (+ skip features) -> 32x32 RGB, FiLM-modulated by a conditioning vector."""
+    """Map (+ skip features) -> RGB frame `up` doublings larger, FiLM-modulated by a conditioning vector."""
 
-    def __init__(self, cin: int, c: int, cond: int):
+    def __init__(self, cin: int, c: int, cond: int, up: int = 2):
         super().__init__()
         self.inp = nn.Conv2d(cin, c, 3, 1, 1)
         self.film = nn.Linear(cond, 2 * c)
-        self.up = nn.Sequential(nn.SiLU(), nn.Upsample(scale_factor=2), nn.Conv2d(c, c, 3, 1, 1), nn.SiLU(),
-                                nn.Upsample(scale_factor=2), nn.Conv2d(c, c, 3, 1, 1), nn.SiLU(),
-                                nn.Conv2d(c, 3, 3, 1, 1), nn.Sigmoid())
+        layers: list[nn.Module] = [nn.SiLU()]
+        for _ in range(up):
+            layers += [nn.Upsample(scale_factor=2), nn.Conv2d(c, c, 3, 1, 1), nn.SiLU()]
+        self.up = nn.Sequential(*layers, nn.Conv2d(c, 3, 3, 1, 1), nn.Sigmoid())
 
     def forward(self, h: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         gamma, beta = self.film(cond).chunk(2, -1)  # (B, c) each
@@ -189,11 +205,12 @@ def kl_normal(mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
 
 
 class DiLA(nn.Module):
-    def __init__(self, c: int, size: int, s_ch: int = 4):
+    def __init__(self, c: int, size: int, s_ch: int = 4, side: int = 8):
         super().__init__()
-        self.content, self.structure = ContentEncoder(c), conv_stack(3, c, s_ch)
-        self.action = ActionEncoder(2 * s_ch, c, size // 4)
-        self.dynamics, self.generator = Dynamics(s_ch, c), Generator(s_ch + c, c, 64)
+        k = halvings(size, side)
+        self.content, self.structure = ContentEncoder(c, k), conv_stack(3, c, s_ch, k)
+        self.action = ActionEncoder(2 * s_ch, c, side)
+        self.dynamics, self.generator = Dynamics(s_ch, c), Generator(s_ch + c, c, 64, k)
 
     def infer(self, o_t: torch.Tensor, o_next: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.action(torch.cat([self.structure(o_t), self.structure(o_next)], 1))
@@ -213,11 +230,12 @@ class DiLA(nn.Module):
 class LAM(nn.Module):
     """Single-pathway LAM (LAPO/Genie-style): a = IDM(o_t, o_t+1), o_hat_t+1 = D(o_t, a); Gaussian or VQ action."""
 
-    def __init__(self, c: int, size: int, codes: int = 0):
+    def __init__(self, c: int, size: int, codes: int = 0, side: int = 8):
         super().__init__()
+        k = halvings(size, side)
         self.action = ActionEncoder(6, c, size)
-        self.frame = conv_stack(3, c, c)
-        self.generator = Generator(c + A_DIM, c, A_DIM)
+        self.frame = conv_stack(3, c, c, k)
+        self.generator = Generator(c + A_DIM, c, A_DIM, k)
         self.codebook = nn.Parameter(torch.randn(codes, A_DIM)) if codes else None
 
     def infer(self, o_t: torch.Tensor, o_next: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,16 +273,34 @@ class DigitNet(nn.Module):
         return self.net(crop)  # (B, 10)
 
 
+def n_params(m: nn.Module) -> int:
+    return sum(q.numel() for q in m.parameters())
+
+
+def lam_width(c: int, size: int, side: int = 8) -> int:
+    """The LAMs' conv width whose parameter count is closest to DiLA's at width `c` (the spec: matched
+    parameters; the LAM's raw-frame inverse dynamics grows with the frame, DiLA's with the map)."""
+    target = n_params(DiLA(c, size, side=side))
+    lo, hi = 2, 4 * c  # the LAM's count grows with its width: bisect for the first width at or above the target
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if n_params(LAM(mid, size, side=side)) < target else (lo, mid)
+    return min((lo - 1, lo) if lo > 2 else (lo,), key=lambda w: abs(n_params(LAM(w, size, side=side)) - target))
+
+
 def model_names(p: Params) -> list[str]:
-    """dila-b<beta>, lam_cont-b<beta> for every beta, and one discrete LAM (MLflow names allow no '@')."""
-    return [f"{m}-b{b:g}" for b in p.betas for m in ("dila", "lam_cont")] + ["lam_disc"]
+    """dila-b<beta>, lam_cont-b<beta> for every beta, and the discrete LAM where `discrete_lam` (MLflow names
+    allow no '@')."""
+    return [f"{m}-b{b:g}" for b in p.betas for m in ("dila", "lam_cont")] + (["lam_disc"] if p.discrete_lam else [])
 
 
 class Everything(nn.Module):
     def __init__(self, p: Params):
         super().__init__()
-        build = {"dila": lambda: DiLA(p.channels, p.size), "lam_cont": lambda: LAM(p.channels, p.size),
-                 "lam_disc": lambda: LAM(p.channels, p.size, codes=8)}
+        w = lam_width(p.channels, p.size, p.map_side)
+        build = {"dila": lambda: DiLA(p.channels, p.size, side=p.map_side),
+                 "lam_cont": lambda: LAM(w, p.size, side=p.map_side),
+                 "lam_disc": lambda: LAM(w, p.size, codes=8, side=p.map_side)}
         self.models = nn.ModuleDict({n.replace(".", "_"): build[n.split("-b")[0]]() for n in model_names(p)})
         self.betas = {n.replace(".", "_"): float(n.split("-b")[1]) if "-b" in n else 0.0 for n in model_names(p)}
         self.labels = {n.replace(".", "_"): n for n in model_names(p)}  # ModuleDict keys cannot hold "."
@@ -300,7 +336,8 @@ def train(ctx) -> None:
 
     model = Everything(p)
     ctx.progress(f"phase joint: {len(model.models)} world models + digit classifier in lock-step, {p.steps} steps")
-    engine = ctx.engine(model, p.lr, arms={**model.models, "digits": model.digits})
+    engine = ctx.engine(model, p.lr, arms={**model.models, "digits": model.digits}, steps=p.steps,
+                        warmup=p.warmup, decay=p.decay)
     ctx.fit("joint", engine, step_fn, batch_fn, p.steps)
 
 

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pytest
 import torch
 
-from models import dila
+from models import dila, registry
+
+PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
 
 
 class _CentredLayout(torch.nn.Module):
-    def forward(self, o):  # (B, 3, 16, 16) -> (B, 4, 4, 4), invariant to adding a constant
+    def forward(self, o):  # (B, 3, 16, 16) -> (B, 4, 8, 8), invariant to adding a constant
         centred = o - o.mean((1, 2, 3), keepdim=True)
-        return torch.cat([centred, centred[:, :1]], 1)[:, :, ::4, ::4]
+        return torch.cat([centred, centred[:, :1]], 1)[:, :, ::2, ::2]
 
 
 def test_dila_action_sees_structure_only_while_the_lam_sees_appearance():
@@ -35,6 +40,30 @@ def test_dila_generator_uses_content_of_the_current_frame():
     loss = model.loss(o, o, beta=0.1)
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())  # one stage: every pathway gets a gradient
+
+
+@pytest.mark.parametrize("size", [16, 32])
+def test_structure_map_is_8x8x4_at_every_frame_size(size):
+    model = dila.DiLA(8, size)
+    o = torch.rand(2, 3, size, size)
+    assert model.structure(o).shape == (2, 4, 8, 8)
+    assert model.content(o)[1].shape == (2, 8, 8, 8)
+    assert dila.LAM(8, size).frame(o).shape == (2, 8, 8, 8)
+    with pytest.raises(ValueError, match="power of 2"):
+        dila.DiLA(8, 24)
+
+
+@pytest.mark.parametrize("profile", ["smoke", "full"])  # the profiles whose verdicts compare the arms
+def test_lams_have_dilas_parameter_count_within_5_percent(profile):
+    p = registry.resolve("dila", profile, None, PARAMS)
+    model = dila.Everything(p) if p.channels <= 16 else None
+    w = dila.lam_width(p.channels, p.size, p.map_side)
+    target = dila.n_params(dila.DiLA(p.channels, p.size, side=p.map_side))
+    for codes in (0, 8):
+        assert abs(dila.n_params(dila.LAM(w, p.size, codes=codes, side=p.map_side)) / target - 1) < 0.05
+    if model is not None:  # the arms the run trains are the matched ones
+        counts = {n: dila.n_params(m) for n, m in model.models.items()}
+        assert max(counts.values()) / min(counts.values()) < 1.05, counts
 
 
 def test_vq_quantises_to_codes_with_straight_through_gradient():
