@@ -222,8 +222,6 @@ def train(ctx) -> None:
 
     ctx.progress(f"E4: {sum(x.numel() for x in model.parameters())} parameters, {p.e4_steps} InfoNCE steps")
     ctx.fit("e4", ctx.engine(model, p.lr), step_fn, batch_fn, p.e4_steps)
-    if ctx.rank == 0:
-        torch.save(model.state_dict(), ctx.out_dir / "e4.pt")
 
 
 # ---- embedders ----------------------------------------------------------------------------------------------
@@ -237,7 +235,7 @@ def _hashed(texts: list[str], seed: int, dim: int = 256) -> np.ndarray:
     return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-9)
 
 
-def embedders(p: Params, d: dict, e4_state: dict) -> dict:
+def embedders(p: Params, d: dict, enc: SentenceEncoder) -> dict:
     """Embedder name -> texts -> (n, dim) L2-normalised; E3/E4 are fitted on public text only."""
     from sklearn.decomposition import TruncatedSVD
     from sklearn.feature_extraction.text import TfidfVectorizer
@@ -246,9 +244,6 @@ def embedders(p: Params, d: dict, e4_state: dict) -> dict:
     tfidf = TfidfVectorizer(ngram_range=(1, 2), token_pattern=r"[^ ]+").fit(public)
     svd = TruncatedSVD(min(p.svd_dim, len(tfidf.vocabulary_) - 1), random_state=p.seed).fit(tfidf.transform(public))
     norm = lambda x: x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-9)  # noqa: E731
-    enc = _encoder(p, d["vocab"])
-    enc.load_state_dict(e4_state)
-    enc.eval()
 
     def e4(texts):
         with torch.no_grad():
@@ -411,7 +406,7 @@ def evaluate(ctx) -> dict[str, float]:
     attacked = [int(i) for i in rng.permutation(len(names))[: p.n_attacked]]
     if not set(banking) & set(attacked):
         attacked[-1] = banking[0]
-    emb_fns = embedders(p, d, torch.load(ctx.out_dir / "e4.pt"))
+    emb_fns = embedders(p, d, ctx.network("e4"))
 
     attacks: dict[str, dict[str, dict[int, str]]] = {}  # surrogate -> attack -> intent -> query
     curves, budget = {}, {}

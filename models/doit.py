@@ -355,8 +355,6 @@ def train(ctx) -> None:
 
     ctx.progress(f"behaviour diffusion + IQL on {envs} and the toy model, {p.steps} steps in one engine")
     ctx.fit("all", ctx.engine(model, p.lr, arms=model), step_fn, batch_fn, p.steps)
-    if ctx.rank == 0:
-        torch.save({"state": model.state_dict(), "dims": dims}, ctx.out_dir / "model.pt")
 
 
 # ---- samplers: the pretrained model, DOIT and the baselines ------------------------------------------------------
@@ -602,10 +600,7 @@ def evaluate_toy(p: Params, net: EpsNet) -> dict[str, np.ndarray | float]:
 
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
-    saved = torch.load(ctx.out_dir / "model.pt")
-    model = build(p, saved["dims"])
-    model.load_state_dict(saved["state"])
-    model.eval()
+    model = ctx.network("all")
     refs = read_table(ctx.data_dir / "refs.parquet")
     metrics: dict[str, float] = {}
     per: dict[str, list[float]] = {}

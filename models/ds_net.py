@@ -473,8 +473,6 @@ def train(ctx) -> None:
     ctx.progress(f"{len(model.nets)} networks in lock-step ({', '.join(MODELS)} x {p.n_seeds} seeds), "
                  f"{len(rows['label'])} training pairs")
     ctx.fit("sgg", ctx.engine(model, p.lr, arms=model.nets), step_fn, batch_sampler(rows, p), p.steps)
-    if ctx.rank == 0:
-        torch.save({"state": model.state_dict(), "fb": fb}, ctx.out_dir / "model.pt")
 
 
 # ---- evaluation --------------------------------------------------------------------------------------------
@@ -541,11 +539,8 @@ def diagnostics(rows: dict[str, np.ndarray], logits: np.ndarray, hidden: np.ndar
 
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
-    saved = torch.load(ctx.out_dir / "model.pt", weights_only=False)
+    model = ctx.network("sgg")
     voc = vocab(ctx.data_dir, p)
-    model = build(p, saved["fb"], voc)
-    model.load_state_dict(saved["state"])
-    model.eval()
     rows = pair_rows(ctx.data_dir, "test", p)
     gt = _gt(ctx.data_dir)
     batch = {k: torch.from_numpy(rows[k]) for k in FEATS}

@@ -605,12 +605,9 @@ def train(ctx) -> None:
                  f"{p.rounds} rounds x {p.local_steps} local steps")
     ctx.fit("federated", engine, step_fn, batch_fn, p.rounds * p.local_steps)
     server_round(fed, p.rounds, data, p, lambda: _reset_optimizer(engine))  # aggregate the last round
-    if ctx.rank == 0:
-        keep = ("test_acc", "mem_global", "mem_local", "loss_sum", "clean_prob", "refined", "noisy_client")
-        torch.save({k_: getattr(fed, k_).cpu() for k_ in keep} | {"rounds": p.rounds, "arms": fed.arms},
-                   ctx.out_dir / "records.pt")
-        glob = {k_: v.cpu() for k_, v in fed.state_dict().items() if k_.startswith("glob")}
-        torch.save(glob, ctx.out_dir / "global.pt")
+    keep = ("test_acc", "mem_global", "mem_local", "loss_sum", "clean_prob", "refined", "noisy_client")
+    ctx.save_record("federation", {k_: getattr(fed, k_).cpu() for k_ in keep} | {"rounds": p.rounds, "arms": fed.arms})
+    ctx.save_network("aggregated", fed)  # with the last round's global models, which `fit`'s network predates
 
 
 # ---- evaluation -------------------------------------------------------------------------------------------------
@@ -629,7 +626,7 @@ def refine_scores(refined: np.ndarray, noisy: np.ndarray, true: np.ndarray) -> t
 
 
 def evaluate(ctx) -> dict[str, float]:
-    rec = torch.load(ctx.out_dir / "records.pt", weights_only=False)
+    rec = ctx.record("federation")
     d = _load(ctx.data_dir)
     arm_list = [Arm(*a) for a in rec["arms"]]
     where = {(a.setting, a.method): f for f, a in enumerate(arm_list)}

@@ -451,8 +451,6 @@ def train(ctx) -> None:
 
     ctx.progress(f"phase methods: {len(methods.nets)} networks in lock-step over one frozen LM")
     ctx.fit("methods", ctx.engine(methods, p.lr, arms=methods.nets), step_fn, batches(p.batch_size, 1), p.steps)
-    if ctx.rank == 0:
-        torch.save({"lm": lm.state_dict(), "methods": methods.state_dict()}, ctx.out_dir / "model.pt")
 
 
 # ---- evaluation --------------------------------------------------------------------------------------------
@@ -478,12 +476,7 @@ def _predict(methods: Methods, qb: Queries, qs: np.ndarray) -> tuple[dict[str, n
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     qb = Queries(ctx.data_dir, p)
-    state = torch.load(ctx.out_dir / "model.pt")
-    lm = _build_lm(p)
-    lm.load_state_dict(state["lm"])
-    methods = Methods(p, G.EMB_DIM + p.rw_steps + p.max_labels, lm.eval())
-    methods.load_state_dict(state["methods"])
-    methods.eval()
+    methods = ctx.network("methods")  # holds the frozen, pretrained LM it was trained over
     val = qb.where("val")
     val = val[np.random.default_rng(p.seed).permutation(len(val))[: p.val_queries]] if len(val) else val
     families = sorted({qb.family[g] for g in qb.split if qb.split[g] == "test"})

@@ -393,10 +393,9 @@ def train(ctx) -> None:
         net.load_state_dict(snapshot[k])
     ctx.progress(f"pretrain stopped at step {steps_done}: " + ", ".join(
         f"{k} {'plateaued' if st.stopped else 'at the cap'}" for k, st in stops.items()))
-    if ctx.rank == 0:
-        torch.save(model.state_dict(), ctx.out_dir / "model.pt")
-        torch.save({"steps": steps_done, "plateaued": {k: st.stopped for k, st in stops.items()},
-                    "val_mse": {k: st.history for k, st in stops.items()}}, ctx.out_dir / "stopping.pt")
+    ctx.save_network("early_stopped", model)
+    ctx.save_record("stopping", {"steps": steps_done, "plateaued": {k: st.stopped for k, st in stops.items()},
+                                 "val_mse": {k: st.history for k, st in stops.items()}})
 
 
 def detached_copy(net: nn.Module) -> dict[str, torch.Tensor]:
@@ -466,10 +465,8 @@ def evaluate(ctx) -> dict[str, float]:
             at_n[n] = (b["f"], f_k, f_ridge)
     a, rate, r2 = mix_decay_fit(curves["mix"], p.fit_n_max)
 
-    model = Models(p)
-    model.load_state_dict(torch.load(ctx.out_dir / "model.pt"))
-    model.eval()
-    stopping = torch.load(ctx.out_dir / "stopping.pt")
+    model = ctx.network("early_stopped")
+    stopping = ctx.record("stopping")
     out: dict[str, float] = {"detail/train_steps": float(stopping["steps"]),
                              "detail/plateaued_fraction": float(np.mean(list(stopping["plateaued"].values())))}
     z_max, bg, preds = 0.0, {}, {}

@@ -479,7 +479,6 @@ def train(ctx) -> None:
     p: Params = ctx.params
     d = _load(ctx.data_dir, p)
     names = net_names(p)
-    saved = {}
     for proto in p.protocols:
         steps = protocol_steps(proto, p.n_classes)
         nets = {}
@@ -506,11 +505,6 @@ def train(ctx) -> None:
                          f"{epochs} epochs x {per_epoch} steps")
             ctx.fit(f"{proto}_step{t}", ctx.engine(model, p.lr, arms=model.nets), step_fn, batch_fn, epochs * per_epoch,
                     state=competition)
-            if t == 0:
-                saved[f"{proto}/step0"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        saved[f"{proto}/final"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    if ctx.rank == 0:
-        torch.save(saved, ctx.out_dir / "models.pt")
 
 
 def _copy(net: nn.Module, p: Params) -> nn.Module:
@@ -598,7 +592,6 @@ def evaluate(ctx) -> dict[str, float]:
     premises (first-step mIoU, the lambda_skd = 0 candidate's forgetting)."""
     p: Params = ctx.params
     d = _load(ctx.data_dir, p)
-    saved = torch.load(ctx.out_dir / "models.pt", weights_only=False)
     names = net_names(p)
     per: dict[str, list[float]] = {}
     add = lambda key, value: per.setdefault(key, []).append(float(value))  # noqa: E731
@@ -606,12 +599,7 @@ def evaluate(ctx) -> dict[str, float]:
     for proto in p.protocols:
         steps = protocol_steps(proto, p.n_classes)
         old_cls, new_cls = list(range(steps[0][-1] + 1)), [c for st in steps[1:] for c in st]
-        blank = (lambda: UNet(p.width, p.n_classes)) if p.arch == "unet" else \
-            (lambda: DeepLabV3(p.n_classes, p.backbone_depth, p.width))  # weights come from the checkpoint
-        first = LockStep({f"s{s}": blank() for s in range(p.n_seeds)})
-        first.load_state_dict(saved[f"{proto}/step0"])
-        final = LockStep({name: blank() for name in names})
-        final.load_state_dict(saved[f"{proto}/final"])
+        first, final = ctx.network(f"{proto}_step0"), ctx.network(f"{proto}_step{len(steps) - 1}")
         with torch.no_grad():
             z0 = first.eval()(d["x_test"])
             z_val = final.eval()(d["x_val"])

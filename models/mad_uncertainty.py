@@ -353,9 +353,6 @@ def train(ctx) -> None:
     ctx.progress(f"phase marl: 2 arms x {p.n_seeds} seed(s) x 3 agents in lock-step, {p.rl_steps} updates of "
                  f"{p.rl_questions} questions x {p.group} debates")
     ctx.fit("marl", ctx.engine(arms, p.rl_lr, arms=arms), rl_step, rl_batch, p.rl_steps)
-    if ctx.rank == 0:
-        torch.save({"pretrained": pretrained.state_dict(), "arms": arms.state_dict(), "length": length},
-                   ctx.out_dir / "agents.pt")
 
 
 # ---- evaluation: every team and arm debates the test split ------------------------------------------------
@@ -381,12 +378,8 @@ def team_metrics(out: dict[str, torch.Tensor], truth: torch.Tensor) -> dict[str,
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     d = _load(ctx.data_dir)
-    saved = torch.load(ctx.out_dir / "agents.pt")
-    length = saved["length"]
-    pretrained = build_pretrained(p, length)
-    pretrained.load_state_dict(saved["pretrained"])
-    arms = build_arms(p, length, pretrained)
-    arms.load_state_dict(saved["arms"])
+    length = max_len(d, p)
+    pretrained, arms = ctx.network("pretrain"), ctx.network("marl")
     test = np.flatnonzero(d["split"] == "test")
     texts, truth = [d["text"][i] for i in test], d["answer"][test]
     configs: dict[str, list[dict[str, float]]] = {}

@@ -587,8 +587,7 @@ def train(ctx) -> None:
                                                                        p.accel_weight)})
     ctx.progress(f"phase mrn: refinement on MAN outputs x {p.n_seeds} seeds, {p.mrn_steps} steps")
     fit("mrn", mrn, p.mrn_steps)
-    if ctx.rank == 0:
-        torch.save(seeds.state_dict(), ctx.out_dir / "model.pt")
+    ctx.save_network("seeds", seeds)  # every seed's networks after all phases (each phase's network is a view)
 
 
 @torch.no_grad()
@@ -619,10 +618,8 @@ def motion_metrics(pred: torch.Tensor, gt: torch.Tensor, lower: list[int], fps: 
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     d = load_data(ctx.data_dir)
-    feat, cin, length = d["x"].shape[-1], d["c"].shape[-1], p.window // 4
-    seeds = nn.ModuleList([build(p, feat, cin) for _ in range(p.n_seeds)])
-    seeds.load_state_dict(torch.load(ctx.out_dir / "model.pt", weights_only=True))
-    seeds.eval()
+    length = p.window // 4
+    seeds = ctx.network("seeds")
     te = torch.nonzero(d["test"]).flatten()
     to_joints = lambda xn: joints_from_features(xn * d["x_std"] + d["x_mean"])  # noqa: E731
     gt = joints_from_features(d["x"][te])  # (B, T, J, 3)

@@ -591,16 +591,15 @@ def train(ctx) -> None:
         if len(stopped) == len(graphs):
             break
 
-    if ctx.rank == 0:
-        result = {"pacer_time_s": float(p_state["elapsed"]), "notears": stopped,
-                  "notears_time_s": max(s["time_s"] for s in stopped.values()),
-                  "pacer_blocks": timing_blocks(p_state["marks"].numpy(), float(p_state["elapsed"])),
-                  "notears_blocks": timing_blocks(n_state["marks"][: done_rounds[0] * p.notears_steps].numpy(),
-                                                  float(n_state["elapsed"])),
-                  "pacer": {n: {"graph": m.graph(), "scores": m.edge_scores(),
-                                "order": torch.argsort(m.theta, descending=True).numpy()}
-                            for n, m in pacer.models.items()}}
-        torch.save(result, ctx.out_dir / "results.pt")
+    result = {"pacer_time_s": float(p_state["elapsed"]), "notears": stopped,
+              "notears_time_s": max(s["time_s"] for s in stopped.values()),
+              "pacer_blocks": timing_blocks(p_state["marks"].numpy(), float(p_state["elapsed"])),
+              "notears_blocks": timing_blocks(n_state["marks"][: done_rounds[0] * p.notears_steps].numpy(),
+                                              float(n_state["elapsed"])),
+              "pacer": {n: {"graph": m.graph(), "scores": m.edge_scores(),
+                            "order": torch.argsort(m.theta, descending=True).numpy()}
+                        for n, m in pacer.models.items()}}
+    ctx.save_record("results", result)
 
 
 # ---- evaluation ----------------------------------------------------------------------------------------------------
@@ -616,7 +615,7 @@ def _edge_metrics(adj: np.ndarray, scores: np.ndarray, truth: np.ndarray) -> dic
 
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
-    res = torch.load(ctx.out_dir / "results.pt", weights_only=False)
+    res = ctx.record("results")
     graphs = load_graphs(ctx.data_dir)
     rng = np.random.default_rng(p.seed)
     per: dict[str, list[float]] = {}

@@ -410,7 +410,6 @@ def train(ctx) -> None:
         if not torch.allclose(ctx.all_reduce_sum(check.clone()), check * ctx.world_size):
             raise RuntimeError("ranks collected different transitions: environment interaction is not deterministic")
         if ctx.rank == 0:
-            torch.save(model.state_dict(), ctx.out_dir / f"model_{tag}.pt")
             cols: dict[str, list] = {c: [] for c in ("agent", "step", "s", "a", "r", "s2", "done", "episode")}
             for name, rb in replays.items():
                 n = rb.filled()
@@ -495,8 +494,7 @@ def evaluate(ctx) -> dict[str, float]:
     detail: dict[str, float] = {}
     for ei, env_id in enumerate(p.envs):
         tag = env_id.split("-")[0].lower()
-        model = _build(p, env_id)
-        model.load_state_dict(torch.load(ctx.out_dir / f"model_{tag}.pt"))
+        model = ctx.network(tag)
         lo, hi = float(refs["random_return"][ei]), float(refs["controller_return"][ei])
         c = loss_scale(p, refs, ei)
         horizon = make_env(env_id)[1]

@@ -560,8 +560,6 @@ def train(ctx) -> None:
     ctx.fit("eval_nets", ctx.engine(ens, p.eval_lr, arms=ens.nets), gen_step, eval_batch, p.eval_steps)
 
     if ctx.rank == 0:
-        torch.save({"tok": tok.state_dict(), "gens": gens.state_dict(), "ens": ens.state_dict(), "costs": costs},
-                   ctx.out_dir / "model.pt")
         (ctx.out_dir / "costs.json").write_text(json.dumps(costs, indent=1))
         cols = {c: [] for c in ("class", "scale", "proto_id", "position", "vector")}
         for s, proto in enumerate(protos):  # (C, P, k*k, D): a row per (class, prototype, position), C order
@@ -611,15 +609,10 @@ def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     d = _load(ctx.data_dir, p)
     channels = d["x"].shape[1]
-    saved = torch.load(ctx.out_dir / "model.pt", weights_only=False)
-    tok, gens = Tokenizer(p, channels), Generators(p, channels, p.n_classes)
-    tok.load_state_dict(saved["tok"])
-    gens.load_state_dict(saved["gens"])
-    names = [f"{arm}_ipc{k}_s{e}" for arm in ARMS for k in p.ipcs for e in range(p.eval_seeds)]
-    ens = EvalEnsemble(p, channels, p.n_classes, names)
-    ens.load_state_dict(saved["ens"])
-    for m in (tok, gens, ens):
-        m.eval()
+    costs = json.loads((ctx.out_dir / "costs.json").read_text())
+    tok, gens, ens = ctx.network("tokenizer"), ctx.network("generators"), ctx.network("eval_nets")
+    if p.ddpm_extra_steps:  # the U-Net trained on alone in the "ddpm" phase
+        gens.unet = ctx.network("ddpm").unet
     real_feats, _ = observe(gens.observer, d["x"])
     out: dict[str, float] = {}
     with torch.no_grad():
@@ -636,8 +629,8 @@ def evaluate(ctx) -> dict[str, float]:
                 div = [float(torch.pdist(feats[y == c]).mean()) if k > 1 else 0.0 for c in range(p.n_classes)]
                 out |= {f"{prefix}acc_ipc{k}": float(np.mean(accs)), f"{prefix}acc_std_ipc{k}": float(np.std(accs)),
                         f"{prefix}mmd_ipc{k}": float(np.mean(mmd)), f"{prefix}diversity_ipc{k}": float(np.mean(div))}
-            out[f"{prefix}gen_select_gflops"] = float(saved["costs"]["gflops"][arm])
-            out[f"{prefix}nfe_per_image"] = float(saved["costs"]["nfe"][arm])
+            out[f"{prefix}gen_select_gflops"] = float(costs["gflops"][arm])
+            out[f"{prefix}nfe_per_image"] = float(costs["nfe"][arm])
         pools = {}
         for g in GENERATORS:
             t = read_table(ctx.out_dir / f"pool_{g}.parquet")

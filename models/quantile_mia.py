@@ -426,7 +426,7 @@ def train(ctx) -> None:
                             for r in range(p.seeds)},
               "seen_class_test_acc": {r: float((target_logits[r][public].argmax(-1) == y[public]).float().mean())
                                       for r in range(p.seeds)}}
-    torch.save(record, ctx.out_dir / "attacks.pt")
+    ctx.save_record("attacks", record)
 
 
 # ---- evaluation ----------------------------------------------------------------------------------------------------
@@ -475,7 +475,7 @@ def _ratio(per_seed: list[dict[str, np.ndarray]], member: np.ndarray) -> float:
 
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
-    rec = torch.load(ctx.out_dir / "attacks.pt", weights_only=False)
+    rec = ctx.record("attacks")
     roles = _load(ctx.data_dir)["role"]
     member = rec["is_member"]
     per_seed = [_attack_scores(rec, "unseen", r) for r in range(p.seeds)]

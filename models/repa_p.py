@@ -339,8 +339,7 @@ def train(ctx) -> None:
     ctx.progress(f"{len(p.arms)} arms in lock-step ({', '.join(p.arms)}), {p.steps} steps of batch {p.batch_size}")
     arms = {a: [*model.nets[a].parameters(), *model.heads[a].parameters()] for a in p.arms}  # a U-Net and its heads
     ctx.fit("arms", ctx.engine(model, p.lr, arms=arms), step_fn, batch_fn, p.steps, state=state)
-    if ctx.rank == 0:
-        torch.save({"model": model.state_dict(), "val_residual": state["val_residual"]}, ctx.out_dir / "arms.pt")
+    ctx.save_record("validation", {"val_residual": state["val_residual"]})
 
 
 @torch.no_grad()
@@ -373,10 +372,7 @@ def prefix(arm: str) -> str:
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     d = _load(p, ctx.data_dir)
-    model = Arms(p, d["stats"])
-    saved = torch.load(ctx.out_dir / "arms.pt", weights_only=True)
-    model.load_state_dict(saved["model"])
-    model.eval()
+    model, saved = ctx.network("arms"), ctx.record("validation")
     metrics: dict[str, float] = {}
     gens = {}
     for cond_name in ("id", "ood"):

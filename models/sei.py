@@ -349,10 +349,8 @@ def train(ctx) -> None:
         logits = down(d["x_test"].to(ctx.device))
         accuracy = {name: float((out.argmax(-1).cpu() == d["y_test"]).float().mean()) for name, out in logits.items()}
 
-    if ctx.rank == 0:
-        torch.save({"slots": slots, "stats": {k_: v.numpy() for k_, v in state.items()}, "cl": cl,
-                    "thresh": thresh.numpy(), "downstream": accuracy, "settings": d["settings"]},
-                   ctx.out_dir / "records.pt")
+    ctx.save_record("detection", {"slots": slots, "stats": {k_: v.numpy() for k_, v in state.items()}, "cl": cl,
+                                  "thresh": thresh.numpy(), "downstream": accuracy, "settings": d["settings"]})
 
 
 # ---- evaluation: SEI against every baseline, per setting and backbone ----------------------------------------
@@ -363,7 +361,7 @@ def _prf(flagged: np.ndarray, truth: np.ndarray) -> tuple[float, float, float]:
 
 
 def evaluate(ctx) -> dict[str, float]:
-    rec = torch.load(ctx.out_dir / "records.pt", weights_only=False)
+    rec = ctx.record("detection")
     d = _load(ctx.data_dir)
     per: dict[str, list[float]] = {}
     add = lambda key, value: per.setdefault(key, []).append(float(value))  # noqa: E731

@@ -558,6 +558,7 @@ TRAINABLE = {"stage0": ("skel.vit.", "skel.proj.", "skel.dec.", "vq.enc.", "vq.c
              "tune": ("skel.", "frozen.vit.", "frozen.proj.", "frozen.dec.", "feature.", "vq.dec."),
              "crd": ("skel.", "feature.", "vq.dec.", "nocrd."), "dft": ("skel.", "feature.", "vq.dec.", "nocrd.",
                                                                        "nodft.")}
+PHASES = tuple(TRAINABLE)  # the training phases, in order
 SCHEDULE = {"tune": ("skel", "frozen", "feature", "vq"), "crd": ("skel", "feature", "vq", "nocrd"),
             "dft": ("skel", "feature", "vq", "nocrd", "nodft")}
 # phase -> next-token tasks (CRD and DFT replay the earlier tasks: cooperative training). The ablations train the
@@ -609,14 +610,12 @@ def train(ctx) -> None:
             return sum(losses.values()), {f"{k}_loss": float(v) for k, v in losses.items()}
         return fn
 
-    steps = {"stage0": p.stage0_steps, "tune": p.tune_steps, "crd": p.crd_steps, "dft": p.dft_steps}
+    steps = {phase: getattr(p, f"{phase}_steps") for phase in PHASES}
     copies = {"tune": [("skel", "frozen", ""), ("skel", "feature", "dec"), ("skel", "vq", "dec")],
               "crd": [("skel", "nocrd", "")], "dft": [("skel", "nodft", "")]}
     for k, phase in enumerate(steps):
         for src, dst, part in copies.get(phase, []):  # branch from the previous phase's (committed) weights
             branch(arms, src, dst, part)
-        if phase == "crd" and ctx.rank == 0:  # SkeletonLLM after tuning, against the frozen renderer
-            torch.save(arms["skel"].state_dict(), ctx.out_dir / "snapshot_tuned.pt")
         for name, q in arms.named_parameters():
             q.requires_grad_(name.startswith(TRAINABLE[phase]))
         with torch.no_grad():
@@ -631,8 +630,6 @@ def train(ctx) -> None:
         optim.state.clear()  # a fresh AdamW per stage
         ctx.progress(f"phase {phase}: arms {SCHEDULE.get(phase, ('skel', 'vq'))}")
         ctx.fit(phase, engine, step_fn(phase), batches(k), steps[phase])
-    if ctx.rank == 0:
-        torch.save(arms.state_dict(), ctx.out_dir / "arms.pt")
 
 
 # ---- evaluation -------------------------------------------------------------------------------------------------
@@ -679,10 +676,8 @@ def generate(dec: PrefixLM, prefix: torch.Tensor, prompt: torch.Tensor, vocab: W
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     d = load(ctx.data_dir, p)
-    arms, state = build(p, d, ("tuned",)), torch.load(ctx.out_dir / "arms.pt")
-    state |= {f"tuned.{k}": v for k, v in torch.load(ctx.out_dir / "snapshot_tuned.pt").items()}
-    arms.load_state_dict(state)
-    arms.eval()
+    arms = ctx.network(PHASES[-1])
+    arms["tuned"] = ctx.network("tune")["skel"]  # SkeletonLLM after tuning, against the frozen renderer
     test = torch.from_numpy(np.flatnonzero(d["split"] == "test"))
     y, fmts = d["labels"][test], list(d["joints"])
     n_c, vocab = len(d["classes"]), d["vocab"]

@@ -761,9 +761,7 @@ def train(ctx) -> None:
     ctx.progress(f"GRPO: {len(ARMS)} arms x {p.grpo_steps} steps x {p.prompts_per_step} prompts x {p.group}")
     engine = ctx.engine(arms, p.grpo_lr, arms=dict(zip(ARMS, arms.nets, strict=True)))
     ctx.fit("grpo", engine, grpo_step, grpo_batch, p.grpo_steps, state=state)
-    if ctx.rank == 0:
-        torch.save({"arms": arms.state_dict(), "sft": ref.state_dict(), "curve": state["curve"]},
-                   ctx.out_dir / "policies.pt")
+    ctx.save_record("curve", state["curve"])
 
 
 # ---- evaluation ---------------------------------------------------------------------------------------------------
@@ -779,15 +777,11 @@ def token_counts(p: Params, d: dict) -> np.ndarray:
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     d = _load(ctx.data_dir)
-    saved = torch.load(ctx.out_dir / "policies.pt", weights_only=True)
-    vocab = 1 + len(d["alphabet"])
-    arms, sft = Arms([_policy(p, vocab) for _ in ARMS]), _policy(p, vocab)
-    arms.load_state_dict(saved["arms"])
-    sft.load_state_dict(saved["sft"])
+    arms, sft = ctx.network("grpo"), ctx.network("sft")
     correct = held_out([*arms.nets, sft], d, p)  # (A + 1, N)
     final = _accuracies(correct, d["eval"])  # (A + 1, 1 + C)
     n_mid = len(range(0, p.grpo_steps, p.eval_every))  # evaluations inside the loop, then the final one
-    curve = np.concatenate([saved["curve"].numpy()[:, :n_mid], final[: len(ARMS), None]], 1)  # (A, points, 1 + C)
+    curve = np.concatenate([ctx.record("curve").numpy()[:, :n_mid], final[: len(ARMS), None]], 1)  # (A, points, 1 + C)
     tokens = token_counts(p, d)  # (A, n_points)
     m: dict[str, float] = {}
     names = {"evolved": "method/", **{a: f"baseline/{a}/" for a in ARMS[1:]}, "sft": "baseline/sft/"}

@@ -335,8 +335,7 @@ def train(ctx) -> None:
 
     ctx.progress(f"{len(ARMS)} EGNNs in lock-step; nu = {float(scales['nu']):.3f}, c = {float(scales['c']):.3f}")
     ctx.fit("diffusion", ctx.engine(model, p.lr, arms=model.nets), step_fn, batch_fn, p.steps)
-    if ctx.rank == 0:
-        torch.save({"state": model.state_dict(), "scales": scales}, ctx.out_dir / "model.pt")
+    ctx.save_record("scales", scales)
 
 
 # ---- sampling and the denoising-dynamics decomposition --------------------------------------------------------
@@ -461,10 +460,7 @@ def validity(elements: list[str], xyz: np.ndarray, hydrogens: bool) -> str | Non
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     d = _load(ctx.data_dir)
-    saved = torch.load(ctx.out_dir / "model.pt", weights_only=False)
-    model = Diffusion(p, saved["scales"])
-    model.load_state_dict(saved["state"])
-    model.eval()
+    model, scales = ctx.network("diffusion"), ctx.record("scales")
     g = np.random.default_rng(p.seed + 7)
     n_all = np.sort(g.choice(d["n"].numpy(), size=p.n_samples))  # N from the training size histogram
     chunks = np.array_split(np.arange(p.n_samples), max(1, p.n_samples // 32))  # similar sizes batch together
@@ -501,8 +497,8 @@ def evaluate(ctx) -> dict[str, float]:
         per_arm[arm] = (ts, ta)
         ctx.progress(f"{arm}: t_s bin std {metrics['ts_bin_std']:.3f}, slope {metrics['ts_slope']:+.3f}, "
                      f"validity {metrics['validity']:.2f}, mol stability {metrics['mol_stability']:.2f}")
-    results["detail/scale_nu"], results["detail/scale_c"] = float(saved["scales"]["nu"]), float(saved["scales"]["c"])
-    _plots(ctx.plots_dir, d, saved["scales"], per_arm, n_all, p.size_bins)
+    results["detail/scale_nu"], results["detail/scale_c"] = float(scales["nu"]), float(scales["c"])
+    _plots(ctx.plots_dir, d, scales, per_arm, n_all, p.size_bins)
     return results
 
 

@@ -364,8 +364,7 @@ def train(ctx) -> None:
         return total, metrics
 
     ctx.fit("rl", engine, rl_train, rl_batch, p.rl_steps, state=state, log_every=5)
-    if ctx.rank == 0:
-        torch.save({"state": {k: v.numpy() for k, v in state.items()}, "bigram": bigram}, ctx.out_dir / "rl.pt")
+    ctx.save_record("rl", {"state": {k: v.numpy() for k, v in state.items()}, "bigram": bigram})
 
 
 # ---- evaluation --------------------------------------------------------------------------------------------
@@ -416,7 +415,7 @@ def evaluate(ctx) -> dict[str, float]:
             first_div[fam] = min(firsts)
         nll = -lm.logprobs(tokens[int(0.9 * len(tokens)):][:64, :-1]).gather(
             -1, tokens[int(0.9 * len(tokens)):][:64, 1:, None]).mean()
-    rl = torch.load(ctx.out_dir / "rl.pt", weights_only=False)
+    rl = ctx.record("rl")
     st = rl["state"]
     metrics: dict[str, float] = {"detail/lm/heldout_nll": float(nll), "detail/tbik/triton/rel_error": rel_err}
     for fam in FAMILIES:

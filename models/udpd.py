@@ -58,6 +58,7 @@ from models.inputs import input_path
 
 BASELINES = ("mlp", "gcn", "gat", "concat")
 ABLATIONS = ("const_lambda", "no_diffusion")
+SNAPSHOT = "snapshot_step"  # record name prefix of a validation-selection candidate
 TOPIC_ORDER = ("music", "law", "cooking", "astronomy", "sports", "medicine", "finance", "botany", "computing", "ocean")
 
 
@@ -342,28 +343,23 @@ def train(ctx) -> None:
     def split(idx: torch.Tensor) -> list[torch.Tensor]:
         return [idx[(idx >= offsets[i]) & (idx < offsets[i + 1])].cpu() - int(offsets[i]) for i in range(len(graphs))]
 
-    snaps = ctx.out_dir / "snapshots"
-    snaps.mkdir(exist_ok=True)
-
     def step_fn(engine, batch, step):
-        if step and step % p.select_every == 0 and ctx.rank == 0:  # candidates for validation selection
-            torch.save(engine.module.state_dict(), snaps / f"step{step:06d}.pt")
+        if step and step % p.select_every == 0:  # candidates for validation selection
+            ctx.save_record(f"{SNAPSHOT}{step:06d}", engine.module.state_dict())
         losses = engine(graphs, split(batch["labelled"]), split(batch["nodes"]))
         metrics = {f"{k}_loss": float(v.detach()) for k, v in losses.items() if k.startswith("g0_s0_")}
         return sum(losses.values()), metrics
 
     ctx.progress(f"phase joint: {len(model.nets)} networks over {len(graphs)} graphs, {p.steps} full-batch steps")
     ctx.fit("joint", ctx.engine(model, p.lr, p.weight_decay, arms=model.nets), step_fn, batch_fn, p.steps, log_every=20)
-    if ctx.rank == 0:
-        torch.save(model.state_dict(), ctx.out_dir / "model.pt")
 
 
 # ---- evaluation --------------------------------------------------------------------------------------------
-def _candidates(ctx, p: Params) -> list[tuple[int, Path]]:
-    """(step, state file) of every snapshot a checkpoint may be selected from, the final model last."""
-    snaps = sorted((ctx.out_dir / "snapshots").glob("step*.pt"))
-    steps = [(int(f.stem[4:]), f) for f in snaps]
-    return [(s, f) for s, f in steps if s < p.steps and s % p.select_every == 0] + [(p.steps, ctx.out_dir / "model.pt")]
+def _candidates(ctx, p: Params) -> list[tuple[int, str | None]]:
+    """(step, record name) of every snapshot a checkpoint may be selected from, then (steps, None): the network
+    training ended with (`fit` saved it)."""
+    steps = [(int(n.removeprefix(SNAPSHOT)), n) for n in ctx.records(SNAPSHOT)]
+    return [(s, n) for s, n in steps if s < p.steps and s % p.select_every == 0] + [(p.steps, None)]
 
 
 @torch.no_grad()
@@ -390,8 +386,8 @@ def evaluate(ctx) -> dict[str, float]:
     model = AllNets(p, graphs)
     candidates = _candidates(ctx, p)
     preds: list[dict[str, np.ndarray]] = []
-    for _, path in candidates:  # every candidate checkpoint of every network, scored on validation
-        model.load_state_dict(torch.load(path))
+    for _, name in candidates:  # every candidate checkpoint of every network, scored on validation
+        model.load_state_dict(ctx.record(name) if name else ctx.network("joint").state_dict())
         model.eval()
         preds.append(_predictions(model, graphs, p))
     val_acc = {}
@@ -425,8 +421,7 @@ def evaluate(ctx) -> dict[str, float]:
     # chance: the majority class of each graph's test nodes, averaged like the accuracies
     out["detail/chance/acc"] = float(np.mean([np.bincount(g["y"].numpy()[g["split"] == "test"]).max()
                                              / max(int((g["split"] == "test").sum()), 1) for g in graphs]))
-    model.load_state_dict(torch.load(ctx.out_dir / "model.pt"))
-    model.eval()
+    model = ctx.network("joint")
     _plot(ctx.plots_dir / "accuracy_by_noise.png", per)
     _lambda_plot(ctx.plots_dir / "lambda_vs_uncertainty.png", model, graphs)
     return out

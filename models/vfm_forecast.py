@@ -444,9 +444,7 @@ def train(ctx) -> None:
 
     ctx.progress(f"phase forecast: {len(FORECASTERS)} forecasters in lock-step, {p.forecast_steps} steps")
     ctx.fit("forecast", ctx.engine(nets, p.lr, arms=nets.nets), fc_step, fc_batch, p.forecast_steps)
-    if ctx.rank == 0:
-        torch.save({"vfm": vfm.state_dict(), "two": two.state_dict(), "nets": nets.state_dict(), "spaces": spaces},
-                   ctx.out_dir / "model.pt")
+    ctx.save_record("spaces", spaces)
 
 
 # ---- evaluation --------------------------------------------------------------------------------------------------
@@ -491,20 +489,15 @@ def rollout(net: Forecaster, ctx0: torch.Tensor, valid0: torch.Tensor, horizon: 
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
     d = load_videos(ctx.data_dir)
-    state = torch.load(ctx.out_dir / "model.pt", weights_only=False)
-    vfm = VFM(p.size, p.patch, p.vfm_dim, p.vfm_layers)
-    two, spaces = ProbeAndAE(p, vfm.tokens), state["spaces"]
-    nets = Forecasters(p, vfm.tokens)
-    for m, key in ((vfm, "vfm"), (two, "two"), (nets, "nets")):
-        m.load_state_dict(state[key])
-        m.eval()
+    vfm, nets, spaces = ctx.network("vfm"), ctx.network("forecast"), ctx.record("spaces")
+    probe, ae = ctx.network("probe").probe, ctx.network("ae").ae
     test_ids = torch.nonzero(d["is_test"]).flatten()
     # only test videos are read below: their features alone (rows indexed by video id through `row`)
     z = (vfm_features(vfm, d["pixels"][test_ids]) - spaces["mean"]) / spaces["std"]  # (Nte, T, N, D)
     row = torch.full((len(d["is_test"]),), -1, dtype=torch.long)
     row[test_ids] = torch.arange(len(test_ids))
     t_len, h_len = z.shape[1], p.horizon
-    seg = lambda f: two.probe(f.flatten(0, -3)).argmax(1).numpy()  # (..., N, D) -> (M, S, S)  # noqa: E731
+    seg = lambda f: probe(f.flatten(0, -3)).argmax(1).numpy()  # (..., N, D) -> (M, S, S)  # noqa: E731
 
     # contexts: length cycles 1..max_context; the rollout must stay inside the video
     g = torch.Generator().manual_seed(p.seed + 7)
@@ -521,8 +514,8 @@ def evaluate(ctx) -> dict[str, float]:
     out, curves = {}, {}
     for name, space in zip(FORECASTERS, ("raw", "raw", "pca", "ae"), strict=True):
         k = 1 if name == "regression" else p.samples
-        ctx_s = to_space(space, z[row[vids], idx], spaces, two.ae)  # (B, C, N, D_s)
-        fc = from_space(space, rollout(nets.nets[name], ctx_s, valid, h_len, k, p.euler_steps, g), spaces, two.ae)
+        ctx_s = to_space(space, z[row[vids], idx], spaces, ae)  # (B, C, N, D_s)
+        fc = from_space(space, rollout(nets.nets[name], ctx_s, valid, h_len, k, p.euler_steps, g), spaces, ae)
         pred = seg(fc).reshape(n, k, h_len, p.size, p.size)
         m_h = [np.mean([miou(pred[:, j, h], true_seg[:, h]) for j in range(k)]) for h in range(h_len)]
         best = np.stack([[max(range(k), key=lambda j: miou(pred[b, j, h], true_seg[b, h])) for h in range(h_len)]
@@ -544,7 +537,7 @@ def evaluate(ctx) -> dict[str, float]:
     labels = seg_target(d["labels"][test_ids].flatten(0, 1)[: p.recon_frames], p.seg_labels).numpy()
     out["detail/oracle_miou"] = miou(seg(frames), labels)
     for space, prefix in (("ae", "method/"), ("pca", "baseline/pca/")):
-        recon = from_space(space, to_space(space, frames, spaces, two.ae), spaces, two.ae)
+        recon = from_space(space, to_space(space, frames, spaces, ae), spaces, ae)
         out[f"{prefix}recon_miou"] = miou(seg(recon), labels)
         out[f"{prefix}recon_mse"] = float(F.mse_loss(recon, frames))
     _plots(ctx.plots_dir, curves, d["pixels"][vid[0], future[0]].numpy(), true_seg[0], out)

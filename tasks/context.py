@@ -237,6 +237,11 @@ def network_file(phase: str, ema: bool = False) -> str:
     return f"network.{phase}{'.ema' if ema else ''}.pt"
 
 
+def record_file(name: str) -> str:
+    """A record `train` keeps for `evaluate` in the run folder (statistics, shapes, a stopping log: not a network)."""
+    return f"record.{name}.pt"
+
+
 @dataclass
 class TrainContext:
     params: PaperParams
@@ -390,11 +395,27 @@ class TrainContext:
 
             gather = deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
         with gather:
-            if self.rank == 0:
-                save_module(engine.module, self.out_dir / network_file(name))
-                averaged = ema_module(engine)
-                if averaged is not None:
-                    save_module(averaged, self.out_dir / network_file(name, ema=True))
+            self.save_network(name, engine.module)
+            averaged = ema_module(engine)
+            if averaged is not None:
+                self.save_network(name, averaged, ema=True)
+
+    # ---- what evaluate reads ---------------------------------------------------------------------------------
+    def save_network(self, name: str, module: torch.nn.Module, ema: bool = False) -> None:
+        """Save a network `train` chose itself (e.g. each arm at its best validation step) as `network.<name>.pt`,
+        the way `fit` saves each phase's: what `EvalContext.network(name)` and the registered model load. Rank 0."""
+        if self.rank == 0:
+            save_module(module, self.out_dir / network_file(name, ema))
+
+    def save_record(self, name: str, record: Any) -> None:
+        """Keep something `evaluate` needs that is not a network (per-sample statistics, shapes, a stopping log) as
+        `record.<name>.pt`, atomically; `EvalContext.record(name)` reads it. Rank 0."""
+        if self.rank == 0:
+            path = self.out_dir / record_file(name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            torch.save(record, tmp)
+            os.replace(tmp, path)
 
     def _shard(self, batch: Batch) -> dict[str, torch.Tensor]:
         # contiguous: a strided slice would make every .view() in a step function fail with 2+ ranks
@@ -592,6 +613,19 @@ class EvalContext:
             raise TypeError(f"{path.name} holds only the state dict of a {saved['class']} (it did not pickle: "
                             f"{saved['why']}); build the module and load it with load_state_dict")
         return saved["module"].eval()
+
+    def records(self, prefix: str = "") -> list[str]:
+        """The names of the records `train` kept, those starting with `prefix`, sorted."""
+        names = (q.name.removeprefix("record.").removesuffix(".pt") for q in self.out_dir.glob("record.*.pt"))
+        return sorted(n for n in names if n.startswith(prefix))
+
+    def record(self, name: str) -> Any:
+        """What `train` kept with `TrainContext.save_record(name, ...)`."""
+        path = self.out_dir / record_file(name)
+        if not path.exists():
+            saved = sorted(q.name for q in self.out_dir.glob("record.*.pt"))
+            raise FileNotFoundError(f"{path.name}: no such record in {self.out_dir} (saved: {saved or 'none'})")
+        return torch.load(path, map_location="cpu", weights_only=False)
 
     def progress(self, message: str) -> None:
         print(f"[{self.label or 'evaluate'}] {message}", file=sys.stderr, flush=True)

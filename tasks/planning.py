@@ -412,6 +412,12 @@ class PlanContext:
     def barrier(self) -> None:
         pass
 
+    def save_network(self, name: str, module: torch.nn.Module, ema: bool = False) -> None:
+        pass  # a plan saves nothing (its networks are untrained fakes)
+
+    def save_record(self, name: str, record: Any) -> None:
+        pass
+
     def progress(self, message: str) -> None:
         if time.process_time() > self.deadline:
             raise PlanStop("time budget spent")

@@ -34,7 +34,7 @@ def test_prestarted_job_trains_bitwise_like_a_new_one(tmp_path):
     train.launch(_job(params, data_dir, tmp_path / "new"))  # nothing prestarted any more: a job of its own
     logs = {name: (tmp_path / name / "train.log").read_text() for name in ("prestarted", "new")}
     assert logs["prestarted"].startswith("[launcher] prestarted job") and logs["new"].startswith("[launcher] new job")
-    for name in ("network.detect.pt", "records.pt"):
+    for name in ("network.detect.pt", "record.detection.pt"):
         a, b = (torch.load(tmp_path / run / name, weights_only=False) for run in ("prestarted", "new"))
         a, b = (x["module"].state_dict() if "module" in x else x for x in (a, b))
         flat_a, flat_b = _tensors(a), _tensors(b)

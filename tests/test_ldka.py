@@ -185,7 +185,7 @@ def test_grids_need_equal_selection_effort():
 
 
 def _tiny(tmp_path):
-    """A tiny world and a models.pt of untrained networks (each candidate its own random init)."""
+    """A tiny world and the saved networks, untrained (each candidate its own random init)."""
     from models.common.lockstep import LockStep
 
     p = m.Params(n_train=12, n_val=6, n_test=6, n_seeds=1, width=4, arms=["base", "ldka"],
@@ -197,10 +197,12 @@ def _tiny(tmp_path):
     for net in final.nets.values():  # distinct predictions per candidate: shift the running statistics
         for bn in (mod for mod in net.modules() if isinstance(mod, nn.BatchNorm2d)):
             bn.running_mean.normal_(0, 0.5)
-    torch.save({"4-2/step0": first.state_dict(), "4-2/final": final.state_dict()}, tmp_path / "models.pt")
-    from types import SimpleNamespace
+    from tasks.context import EvalContext, TrainContext
 
-    ctx = SimpleNamespace(params=p, data_dir=tmp_path, out_dir=tmp_path, plots_dir=tmp_path)
+    saver = TrainContext(p, tmp_path, tmp_path)  # the networks as `fit` saves them: the first step's and the last's
+    saver.save_network("4-2_step0", first)
+    saver.save_network(f"4-2_step{len(m.protocol_steps('4-2', p.n_classes)) - 1}", final)
+    ctx = EvalContext(p, tmp_path, tmp_path, tmp_path)
     with torch.no_grad():
         x = m._load(tmp_path, p)
         preds = {n: {pool: net.eval()(x[f"x_{pool}"])[0].argmax(1) for pool in ("val", "test")}

@@ -86,9 +86,10 @@ def test_prepare_injects_both_noise_sources(tmp_path):
 def test_checkpoint_selection_uses_validation_and_ignores_stale_snapshots(tmp_path):
     chosen = udpd.select_on_validation({"a": [0.2, 0.6, 0.4], "b": [0.5, 0.3, 0.5], "c": [0.1]})
     assert chosen == {"a": 1, "b": 2, "c": 0}  # best validation accuracy; the latest among ties
-    (tmp_path / "snapshots").mkdir()
+    from tasks.context import EvalContext, TrainContext
+
+    p = _params(steps=150, select_every=25)
     for step in (25, 50, 60, 150, 175):  # 60: another select_every; 150, 175: not before the final step
-        (tmp_path / "snapshots" / f"step{step:06d}.pt").touch()
-    ctx = type("Ctx", (), {"out_dir": tmp_path})()
-    cands = udpd._candidates(ctx, _params(steps=150, select_every=25))
-    assert [s for s, _ in cands] == [25, 50, 150] and cands[-1][1] == tmp_path / "model.pt"
+        TrainContext(p, tmp_path, tmp_path).save_record(f"{udpd.SNAPSHOT}{step:06d}", {})
+    cands = udpd._candidates(EvalContext(p, tmp_path, tmp_path, tmp_path), p)
+    assert cands == [(25, "snapshot_step000025"), (50, "snapshot_step000050"), (150, None)]  # None: the final network
