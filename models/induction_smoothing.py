@@ -16,7 +16,8 @@ What it implements (function names in brackets):
   value [disentangled_forward]; its count form, the overlap-weighted interpolation plus pseudo-count
   e^{beta0 - k beta}/S [soft_match]; (beta, beta0) fitted by grid search on training sequences;
 - the trained 2-layer attention-only transformer (learned positions, 2 heads per layer) with and without BOS,
-  three models (BOS on A, BOS on B, no-BOS on A) in lock-step in one DeepSpeed engine [AttnOnly, train];
+  three models (BOS on A, BOS on B, no-BOS on A) in lock-step in one DeepSpeed engine; training runs the
+  attention fused (scaled_dot_product_attention), evaluation reads the explicit patterns [AttnOnly, train];
 - attention-pattern recovery: per head of every layer from 2 up, within-query log attention regressed on overlap
   (slope beta_hat, R^2), and Spearman correlation of BOS attention mass with the exact-match count
   [attention_recovery, report_head];
@@ -98,7 +99,10 @@ def sample_chains(setting: str, n: int, p: Params, rng: np.random.Generator) -> 
         return rng.dirichlet(np.full(p.S, p.alpha), size=(n, rows))
     q = rng.dirichlet(np.full(p.S, p.alpha), size=(n, p.S))  # (n, S, S): q(.|b), b = most recent token
     last = np.arange(rows) % p.S
-    return np.stack([np.stack([rng.dirichlet(p.c * q[i, b]) for b in last]) for i in range(n)])
+    # row (i, ctx) ~ Dir(c q(.|b)): gamma variates normalised, drawn and scaled as numpy's own Dirichlet sampler
+    # does (its gamma branch, taken whenever an alpha exceeds 0.1), in one call for every row
+    g = rng.standard_gamma(p.c * q[:, last])  # (n, S^k, S)
+    return g * (1.0 / g.sum(-1, keepdims=True))
 
 
 def sample_tokens(chains: np.ndarray, T: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -107,9 +111,10 @@ def sample_tokens(chains: np.ndarray, T: int, k: int, rng: np.random.Generator) 
     x = np.zeros((n, T), np.int64)
     x[:, :k] = rng.integers(0, s, (n, k))
     u = rng.random((n, T))
+    cdf, rows = chains.cumsum(-1), np.arange(n)
     for t in range(k, T):
         ctx = sum(x[:, t - k + j] * s ** (k - 1 - j) for j in range(k))
-        x[:, t] = (chains[np.arange(n), ctx].cumsum(-1) < u[:, t, None]).sum(-1).clip(max=s - 1)
+        x[:, t] = (cdf[rows, ctx] < u[:, t, None]).sum(-1).clip(max=s - 1)
     return x
 
 
@@ -255,17 +260,23 @@ class AttnOnly(nn.Module):
         self.out = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
         self.unembed = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, S))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:  # x (n, L)
+    def forward(self, x: torch.Tensor, patterns: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """x (n, L) -> logits (n, L, S) and, with `patterns`, every layer's attention (n, H, L, L); without, the
+        same attention runs fused (scaled_dot_product_attention, causal), which training uses."""
         n, L = x.shape
         h = self.tok(x) + self.pos(torch.arange(L, device=x.device))  # (n, L, W)
-        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-        patterns = []
+        kept = []
         for norm, qkv, out in zip(self.norms, self.qkv, self.out, strict=True):
             q, k, v = qkv(norm(h)).view(n, L, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # (n, H, L, W/H) each
-            att = ((q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5).masked_fill(~causal, -torch.inf).softmax(-1)
-            patterns.append(att)  # (n, H, L, L)
-            h = h + out((att @ v).transpose(1, 2).reshape(n, L, -1))
-        return self.unembed(h), patterns  # logits (n, L, S)
+            if patterns:
+                causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+                att = ((q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5).masked_fill(~causal, -torch.inf).softmax(-1)
+                kept.append(att)  # (n, H, L, L)
+                mixed = att @ v
+            else:
+                mixed = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            h = h + out(mixed.transpose(1, 2).reshape(n, L, -1))
+        return self.unembed(h), kept  # logits (n, L, S)
 
 
 class Trio(nn.Module):
@@ -280,9 +291,9 @@ class Trio(nn.Module):
         """a, b (n, T) -> per model the logits (n, T, S), entry t predicting token t+1 (the no-BOS model's last
         entry and every model's entry T-1 predict past the sequence)."""
         bos = torch.full_like(a[:, :1], self.S)
-        return {"bos_A": self.nets["bos_A"](torch.cat([bos, a], 1))[0][:, 1:],
-                "bos_B": self.nets["bos_B"](torch.cat([bos, b], 1))[0][:, 1:],
-                "nobos_A": self.nets["nobos_A"](a)[0]}
+        return {"bos_A": self.nets["bos_A"](torch.cat([bos, a], 1), patterns=False)[0][:, 1:],
+                "bos_B": self.nets["bos_B"](torch.cat([bos, b], 1), patterns=False)[0][:, 1:],
+                "nobos_A": self.nets["nobos_A"](a, patterns=False)[0]}
 
 
 def train(ctx) -> None:

@@ -154,3 +154,27 @@ def test_convergence_premise_reads_the_engines_plateau():
     assert prem.left == "train/markov/plateau"
     flat, falling = loss_plateau([1.0, 1.001, 0.999, 1.0]), loss_plateau([4.0, 2.0, 1.0, 1.0])
     assert prem.difference({prem.left: flat})[0] < 0 < prem.difference({prem.left: falling})[0]
+
+
+def test_setting_b_rows_are_dirichlet_draws_as_numpy_samples_them():
+    """The one-call gamma sampler of setting B gives, draw for draw, what a Dirichlet call per row gives."""
+    p = _params(c=4.0)
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        q = rng.dirichlet(np.full(p.S, p.alpha), size=(5, p.S))
+        rows = np.stack([np.stack([rng.dirichlet(p.c * q[i, b]) for b in np.arange(p.S ** p.k) % p.S])
+                         for i in range(5)])
+        assert np.array_equal(m.sample_chains("B", 5, p, np.random.default_rng(seed)), rows)
+
+
+def test_fused_attention_is_the_explicit_attention():
+    """Training runs attention fused; evaluation reads the explicit patterns: both give the same logits."""
+    p = _params(width=16, heads=2, layers=2)
+    torch.manual_seed(0)
+    net = m.AttnOnly(p.S + 1, p.S, p.T + 1, p.width, p.heads, p.layers)
+    x = torch.randint(0, p.S + 1, (4, p.T + 1))
+    with torch.no_grad():
+        explicit, patterns = net(x)
+        fused, none = net(x, patterns=False)
+    assert torch.allclose(explicit, fused, atol=1e-5) and none == [] and len(patterns) == p.layers
+    assert torch.allclose(patterns[0].sum(-1), torch.ones(())) and patterns[0].triu(1).abs().max() == 0

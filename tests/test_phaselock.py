@@ -204,3 +204,23 @@ def test_centroid_tracker_ignores_background_haze():
     x = (torch.clamp(frame + 0.25, 0, 1) * 2 - 1).view(1, 1, 1, 16, 16)
     c = pl.soft_centroids(x)[0, 0]
     assert torch.allclose(c, torch.tensor([5.0, 9.0]), atol=0.3)
+
+
+def test_counted_flops_per_video_are_the_batchs_over_its_size():
+    """evaluate counts each arm's FLOPs on one video: every arm's count is linear in the batch, so the cost ratios
+    are those of the whole batch."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    unet = pl.SpaceTimeUNet(4, (8, 16))
+    cond = _video(b=3, t=4, s=8, seed=7)[:, 0]
+    noise = torch.randn(3, 4, 1, 8, 8, generator=torch.Generator().manual_seed(8))
+    arms = {"plain": lambda c, z: {}, "guided": lambda c, z: {"guide": pl.ballistic_guide(0.3)},
+            "phaselock": lambda c, z: {"hook": pl.phaselock_hook(pl.sample(unet, c, z, 2), 4, 0.6, 1.5)}}
+    for make in arms.values():
+        counts = []
+        for n in (1, 3):
+            with FlopCounterMode(display=False) as counter:
+                pl.sample(unet, cond[:n], noise[:n], 4, **make(cond[:n], noise[:n]))
+            counts.append(counter.get_total_flops())
+        assert counts[1] == pytest.approx(3 * counts[0], rel=1e-3)
