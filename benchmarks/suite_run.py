@@ -1,17 +1,22 @@
-"""The whole suite in one command, sequential against papers side by side: `paperline run --all --force
-[--parallel N]`, its wall time and peak memory, and every paper's stage times from the MLflow runs it made.
+"""The whole suite in one command, `paperline run --all --force [--parallel N]` (every paper's smoke profile, its
+replicates), timed on a quiet machine: wall, CPU seconds of all its processes and how busy the cores were, and per
+paper what its MLflow pipeline run recorded.
 
-    python benchmarks/suite_run.py --parallel 1 --parallel 2     # each setting once, in the order given
+    python benchmarks/suite_run.py --parallel 2     # each setting given, in order (default: 1, then 2)
 
-Run it on a quiet machine with the data stages up to date (`dvc repro` first), so that both settings do the same
-work. Writes benchmarks/results/suite_run.json: per setting the wall seconds, the largest process's peak RSS, and
-per paper `time/{prepare,train,evaluate,total}_s` and the verdict.
+Writes benchmarks/results/suite_run.json (`python benchmarks/tables.py suite_run` renders it): per setting the
+wall seconds, user + system CPU seconds of every process of the command (`/usr/bin/time -v`), core busyness
+(CPU / (wall x cores)), the largest process's peak RSS, the machine's load average before it started, and per
+paper its pipeline run's wall, `time/{prepare,train,evaluate,total}_s`, CPU seconds a replicate (mean, max), the
+training steps a second of each phase (`timing/train/<phase>/steps_per_s`, mean over replicates), the replicate
+count and the verdict with its reason.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import time
@@ -22,7 +27,7 @@ OUT = ROOT / "benchmarks" / "results" / "suite_run.json"
 
 
 def collect(started_ms: int, ended_ms: int) -> dict[str, dict]:
-    """Stage times and verdict of every paper's smoke run that started inside the window."""
+    """What every paper's smoke pipeline run that started inside the window recorded (the latest one)."""
     from models import registry
     from tasks import tracking
 
@@ -33,23 +38,43 @@ def collect(started_ms: int, ended_ms: int) -> dict[str, dict]:
             [experiment.experiment_id], order_by=["attributes.start_time DESC"], max_results=1,
             filter_string=f"attributes.start_time >= {started_ms} and attributes.start_time <= {ended_ms} "
                           "and tags.`paperline.profile` = 'smoke' and tags.`paperline.kind` = 'pipeline'")
-        if runs:
-            run = runs[0]
-            papers[pid] = {**{k: round(v, 1) for k, v in run.data.metrics.items() if k.startswith("time/")},
-                           "status": run.info.status, "verdict": run.data.tags.get("claim.verdict")}
+        if not runs:
+            continue
+        run, metrics, tags = runs[0], runs[0].data.metrics, runs[0].data.tags
+        rates = {k.removeprefix("timing/train/").removesuffix("/steps_per_s"): round(v, 1)
+                 for k, v in metrics.items() if k.startswith("timing/train/") and k.endswith("/steps_per_s")}
+        papers[pid] = {
+            "wall_s": round((run.info.end_time - run.info.start_time) / 1000, 1) if run.info.end_time else None,
+            **{k: round(v, 1) for k, v in metrics.items() if k.startswith("time/")},
+            **{k: round(v, 1) for k, v in metrics.items() if k in ("cpu/replicate_mean_s", "cpu/replicate_max_s")},
+            "steps_per_s": rates, "replicates": tags.get("paperline.replicates"), "status": run.info.status,
+            "verdict": tags.get("claim.verdict"), "reason": (tags.get("claim.reason") or "")[:160]}
     return papers
+
+
+def _seconds(stderr: str, label: str) -> float:
+    found = re.search(rf"{label} \(seconds\): ([\d.]+)", stderr)
+    return float(found.group(1)) if found else float("nan")
 
 
 def run_suite(parallel: int) -> dict:
     command = ["/usr/bin/time", "-v", str(ROOT / ".venv" / "bin" / "paperline"), "run", "--all", "--force",
                "--parallel", str(parallel)]
+    load_before, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
     started_ms = int(time.time() * 1000)
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    (ROOT / "runs").mkdir(exist_ok=True)
+    with open(ROOT / "runs" / f"suite_run.parallel_{parallel}.log", "w") as log:  # the console, to follow it
+        done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.PIPE, text=True)
     wall = time.perf_counter() - start
+    cpu = _seconds(done.stderr, "User time") + _seconds(done.stderr, "System time")
     peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr)
     papers = collect(started_ms, int(time.time() * 1000))
-    return {"wall_s": round(wall, 1), "exit_code": done.returncode,
+    return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "cores": cores,
+            "core_busy": round(cpu / (wall * cores), 3), "load_1m_before": round(load_before, 2),
+            "exit_code": done.returncode, "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                     text=True).stdout.strip(),
             "peak_rss_mb_largest_process": round(int(peak.group(1)) / 1024) if peak else None,
             "papers_finished": sum(p["status"] == "FINISHED" for p in papers.values()), "papers": papers}
 

@@ -1,6 +1,7 @@
 """Markdown tables from benchmarks/results/*.json, for benchmarks/README.md.
 
     python benchmarks/tables.py suite          # smoke wall/CPU/stage times per paper, slowest first
+    python benchmarks/tables.py suite_run      # the whole suite in one command: per setting, then per paper
     python benchmarks/tables.py reproduce      # which papers reproduce bitwise
 """
 
@@ -29,6 +30,29 @@ def suite() -> str:
     return "\n".join(lines)
 
 
+def suite_run() -> str:
+    results = json.loads((RESULTS / "suite_run.json").read_text())
+    lines = ["| setting | commit | measured | wall min | CPU s | cores busy | load before | papers finished |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    settings = {k: v for k, v in results.items() if k.startswith("parallel_") and "cpu_s" in v}
+    for key, r in settings.items():
+        lines.append(f"| {key.replace('_', ' ')} | {r['commit']} | {r['measured_at']} | {r['wall_s'] / 60:.1f} | "
+                     f"{r['cpu_s']:.0f} | {100 * r['core_busy']:.0f} % | {r['load_1m_before']} | "
+                     f"{r['papers_finished']} |")
+    for key, r in settings.items():
+        lines += [f"\n`{key}`, per paper (slowest first; CPU s a replicate: mean / max; steps a second per phase, "
+                  "mean over replicates):\n",
+                  "| paper | wall s | replicates | CPU s a replicate | prepare s | train s | evaluate s | "
+                  "steps a second | verdict |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for paper, p in sorted(r["papers"].items(), key=lambda kv: -(kv[1].get("wall_s") or 0)):
+            rates = ", ".join(f"{phase} {rate:g}" for phase, rate in p.get("steps_per_s", {}).items())
+            cpu = f"{p.get('cpu/replicate_mean_s', '')} / {p.get('cpu/replicate_max_s', '')}"
+            lines.append(f"| {paper} | {p.get('wall_s', '')} | {p.get('replicates', '')} | {cpu} | "
+                         f"{p.get('time/prepare_s', '')} | {p.get('time/train_s', '')} | "
+                         f"{p.get('time/evaluate_s', '')} | {rates} | {p.get('verdict', '')} |")
+    return "\n".join(lines)
+
+
 def reproduce() -> str:
     results = json.loads((RESULTS / "reproducibility.json").read_text())
     lines = []
@@ -47,4 +71,4 @@ def reproduce() -> str:
 
 
 if __name__ == "__main__":
-    print({"suite": suite, "reproduce": reproduce}[sys.argv[1]]())
+    print({"suite": suite, "suite_run": suite_run, "reproduce": reproduce}[sys.argv[1]]())

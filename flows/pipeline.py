@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import queue
 import sys
 import threading
 import time
@@ -479,15 +480,21 @@ def suite(papers: list[str] | None = None, profile: str = "smoke", force: bool =
              for i, r in enumerate(requests, 1)]
     _after_training.reset(token)
 
+    slots: queue.SimpleQueue[tuple[int, ...] | None] = queue.SimpleQueue()
+    for cores in train.core_slots(parallel):  # papers side by side train on cores of their own
+        slots.put(cores)
+
     def one(call) -> dict:
         title, request, run = call
         _say(f"=== {title} ({request.profile}){eta.left()} ===")
+        cores = slots.get()
         try:
-            return run()
+            return run(cores)
         except Exception as e:  # noqa: BLE001 - report and continue with the next paper
             _say(f"[{request.paper}] FAILED: {type(e).__name__}: {e}")
             return {"paper": request.paper, "profile": request.profile, "error": f"{type(e).__name__}: {e}"}
         finally:
+            slots.put(cores)
             eta.done(request.paper)
 
     if parallel == 1:
@@ -591,9 +598,13 @@ def _in_context(request: RunRequest, force: bool, upcoming: _Upcoming):
     in context variables, which a worker thread does not inherit)."""
     context = contextvars.copy_context()
 
-    def run() -> dict:
+    def pipeline(cores: tuple[int, ...] | None) -> dict:
+        train.CORES.set(cores)
+        return paper_pipeline(request.paper, request.profile, request.overrides, force, request)
+
+    def run(cores: tuple[int, ...] | None = None) -> dict:
         upcoming.start(request.paper)
-        return context.run(paper_pipeline, request.paper, request.profile, request.overrides, force, request)
+        return context.run(pipeline, cores)
 
     return run
 

@@ -6,7 +6,8 @@ kept alive by `refs/paperline/<run id>`), the params as given with the profile (
 size is `params.ranks`), and the DVC data hash. The scratch is a shared clone of this repository at that commit with
 the recorded params written into its `params.yaml`; it uses this project's DVC cache and MLflow store, so the new
 run lands beside the original, tagged `paperline.reproduces=<run id>`. Timings (`time/*`), CPU seconds (`cpu/*`)
-and the load and waits timed parts were measured under (`timing/*`) are not compared.
+and the wall-clock rates, loads and waits (`timing/*`: training steps a second, the load and waits timed parts were
+measured under) are not compared.
 """
 
 from __future__ import annotations

@@ -326,7 +326,8 @@ class TrainContext:
         so after `fit` returns every rank holds the complete tensors, and they survive a restart.
 
         At the end it logs `train/<phase>/plateau` (`loss_plateau` over the phase's last fifth, rank 0's loss; from
-        10 steps on), also written to `fit_metrics.json`, which the replicate's metrics include, and saves the
+        10 steps on) and `timing/train/<phase>/steps_per_s` (the steps trained in this call over their wall time),
+        both written to `fit_metrics.json`, which the replicate's metrics include, and saves the
         network (and its EMA copy) once: `network.<phase>.pt` (`.ema.pt`), what `EvalContext.network` loads."""
         ckpt_dir = self.out_dir / "checkpoints" / name
         # losses since the last logged step, and those of the phase's last fifth; checkpointed, so a resumed run
@@ -345,6 +346,7 @@ class TrainContext:
         every = self.params.checkpoint_every
         bar = PhaseProgress(self, name, start, num_steps)
         window, tail = trace["window"], trace["tail"]
+        began = time.perf_counter()
         for step in range(start, num_steps):
             torch.manual_seed(self.params.seed * 1_000_003 + step)  # dropout etc. depend on the step only
             local = self._shard(batch_fn(step))
@@ -368,14 +370,16 @@ class TrainContext:
             if (step + 1) % every == 0 or step + 1 == num_steps:
                 self._checkpoint(ckpt_dir, engine, step + 1, state, trace)
         bar.done(last)
-        self._finish(name, engine, tail)
+        self._finish(name, engine, tail, (num_steps - start) / max(time.perf_counter() - began, 1e-9))
 
-    def _finish(self, name: str, engine: Any, tail: list[float]) -> None:
+    def _finish(self, name: str, engine: Any, tail: list[float], steps_per_s: float | None = None) -> None:
         plateau = loss_plateau(tail)
-        if plateau is not None and self.rank == 0:
+        measured = {f"train/{name}/plateau": plateau, f"timing/train/{name}/steps_per_s": steps_per_s}
+        measured = {k: v for k, v in measured.items() if v is not None}
+        if measured and self.rank == 0:
             path = self.out_dir / FIT_METRICS
             merged = json.loads(path.read_text()) if path.exists() else {}
-            merged[f"train/{name}/plateau"] = plateau
+            merged.update(measured)
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
             os.replace(tmp, path)

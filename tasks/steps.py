@@ -96,7 +96,8 @@ def _busy_nothing_waited():
 
 
 def fit_metrics(out_dir: Path) -> dict[str, float]:
-    """What the training loop measured per phase (`train/<phase>/plateau`), so a premise can read it."""
+    """What the training loop measured per phase (`train/<phase>/plateau`, `timing/train/<phase>/steps_per_s`), so
+    a premise can read it."""
     path = out_dir / FIT_METRICS
     return json.loads(path.read_text()) if path.exists() else {}
 

@@ -14,6 +14,7 @@ launch claims (a cached result, a failure before training) is cancelled by `canc
 from __future__ import annotations
 
 import atexit
+import contextvars
 import ctypes
 import json
 import os
@@ -34,6 +35,9 @@ from tasks.worker import DONE_MARKER, free_port
 
 PHASE_DONE = re.compile(r"\] phase \S+: step (\d+)/\1 loss ")  # PhaseProgress.done's line
 ERROR_LINE = re.compile(r"^(\[[^\]]*\]:)?\s*[A-Za-z_.]*(Error|Exception|Interrupt): ")
+# The CPU cores the training jobs started in this context run on: a suite slot's with `--parallel` (set by the
+# suite flow), None for all of this process's. The ranks share them out (threads per rank) and pin themselves.
+CORES: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar("train_cores", default=None)
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ def launch(job: TrainJob) -> None:
             "out_dir": str(job.out_dir), "run_id": job.run_id,
             # a URI holding a password stays out of files: the ranks then read it from their environment
             "tracking_uri": job.tracking_uri if job.tracking_uri == mask(job.tracking_uri or "") else None,
-            "threads_per_rank": _threads_per_rank(job.params.ranks)}
+            "threads_per_rank": _threads_per_rank(job.params.ranks), "cores": list(_cores())}
     spec_path.write_text(json.dumps(spec, indent=1))  # the record of what ran, in the run folder
     nodes = nodes_from_env()
     others: list[subprocess.Popen] = []  # the launchers of nodes 1.. (node 0's output is streamed below)
@@ -108,8 +112,22 @@ def launch(job: TrainJob) -> None:
                            f"{': ' + reason if reason else ''}; see {log_path}")
 
 
+def _cores() -> tuple[int, ...]:
+    return CORES.get() or tuple(sorted(os.sched_getaffinity(0)))
+
+
+def core_slots(parallel: int) -> list[tuple[int, ...] | None]:
+    """This process's cores split into `parallel` equal slots, one per job side by side; None (share them all)
+    when there are fewer cores than jobs."""
+    cores = sorted(os.sched_getaffinity(0))
+    if parallel <= 1 or len(cores) < parallel:
+        return [None] * max(parallel, 1)
+    size = len(cores) // parallel
+    return [tuple(cores[i * size:(i + 1) * size]) for i in range(parallel)]
+
+
 def _threads_per_rank(ranks: int) -> int:
-    return max(1, len(os.sched_getaffinity(0)) // ranks)
+    return max(1, len(_cores()) // ranks)
 
 
 def _rank_env(ranks: int) -> dict[str, str]:

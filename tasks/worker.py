@@ -10,6 +10,7 @@ the spec file to appear (an unclaimed job is stopped by the launcher, or gives u
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -59,6 +60,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def pin_to(cores: list[int] | None) -> None:
+    """Every thread of this rank (gloo's, a warm job's thread pools too) onto `cores`; threads started later
+    inherit it. None leaves the affinity as it is."""
+    if not cores:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cores)
+
+
 def run(spec: dict) -> None:
     paper = registry.get(spec["paper"])
     params = paper.Params.model_validate(spec["params"])
@@ -66,6 +77,7 @@ def run(spec: dict) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.manual_seed(params.seed)
+    pin_to(spec.get("cores"))
     torch.set_num_threads(max(1, int(spec.get("threads_per_rank", 1))))
     out_dir = Path(spec["out_dir"])
     # a tracking server that went away stalls a rank for seconds, not MLflow's default minutes of retries

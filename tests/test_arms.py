@@ -173,5 +173,7 @@ def test_fit_logs_the_plateau_and_the_replicate_metrics_carry_it(tmp_path):
     expected = loss_plateau([1.0 / (1 + s) for s in range(16, 20)])  # the loop sees float32 losses
     logged = sink.logged["train/constructed/plateau"]
     assert logged == pytest.approx(expected, rel=1e-6)
-    assert json.loads((tmp_path / FIT_METRICS).read_text()) == fit_metrics(tmp_path) == {
-        "train/constructed/plateau": logged}
+    measured = json.loads((tmp_path / FIT_METRICS).read_text())
+    assert measured == fit_metrics(tmp_path)
+    assert measured.keys() == {"train/constructed/plateau", "timing/train/constructed/steps_per_s"}
+    assert measured["train/constructed/plateau"] == logged and measured["timing/train/constructed/steps_per_s"] > 0

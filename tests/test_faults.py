@@ -83,7 +83,9 @@ def test_killed_phase_with_arms_a_schedule_and_an_ema_resumes_bitwise(tmp_path):
         clean, again = (torch.load(d / network_file("arms", ema), weights_only=False)["module"].state_dict()
                         for d in (tmp_path / "clean", tmp_path / "killed"))
         assert clean.keys() == again.keys() and all(torch.equal(clean[k], again[k]) for k in clean)
-    assert (tmp_path / "clean" / FIT_METRICS).read_text() == (tmp_path / "killed" / FIT_METRICS).read_text()
+    clean, again = (json.loads((d / FIT_METRICS).read_text()) for d in (tmp_path / "clean", tmp_path / "killed"))
+    assert {k: v for k, v in clean.items() if not k.startswith("timing/")} == {  # a rate is wall-clock
+        k: v for k, v in again.items() if not k.startswith("timing/")} and "train/arms/plateau" in clean
 
 
 def test_killed_pipeline_is_continued_at_the_replicate_it_lost(workspace, prefect_harness):

@@ -138,3 +138,37 @@ def test_a_suite_prestarts_the_paper_after_the_one_that_finished_training(monkey
     upcoming.prestart_next()
     assert [pid for pid, _ in started] == ["ldka"]
     assert started[0][1] == registry.resolve("ldka", "test", None, settings.params_file()).ranks
+
+
+def test_papers_side_by_side_train_on_cores_of_their_own(monkeypatch):
+    """`--parallel 2` on 4 cores: two slots of 2; each paper's trainings see their slot's cores (threads per rank
+    and the cores the ranks pin themselves to); more papers than cores share them all, as one paper does."""
+    from flows import pipeline
+
+    monkeypatch.setattr(train.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert train.core_slots(2) == [(0, 1), (2, 3)] and train.core_slots(1) == [None]
+    assert train.core_slots(5) == [None] * 5 and train.core_slots(4) == [(0,), (1,), (2,), (3,)]
+
+    seen = []
+
+    def pipeline_stub(paper, profile, overrides, force, request):
+        seen.append((paper, train.CORES.get(), train._threads_per_rank(1), train._cores()))
+        return {}
+
+    monkeypatch.setattr(pipeline, "paper_pipeline", pipeline_stub)
+    requests = [registry.request(pid, "test", None, settings.params_file()) for pid in ("sei", "ldka")]
+    upcoming = pipeline._Upcoming(requests)
+    pipeline._in_context(requests[0], False, upcoming)((2, 3))
+    pipeline._in_context(requests[1], False, upcoming)()
+    assert seen == [("sei", (2, 3), 2, (2, 3)), ("ldka", None, 4, (0, 1, 2, 3))]
+    assert train.CORES.get() is None  # set in the paper's own context only
+
+
+def test_a_rank_pins_all_its_threads(tmp_path):
+    code = ("import os, threading, time; from tasks.worker import pin_to; "
+            "t = threading.Thread(target=time.sleep, args=(2,)); t.start(); core = min(os.sched_getaffinity(0)); "
+            "pin_to([core]); print(sorted({tuple(sorted(os.sched_getaffinity(int(tid)))) "
+            "for tid in os.listdir('/proc/self/task')}) == [(core,)])")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip() == "True"

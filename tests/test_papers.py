@@ -53,7 +53,7 @@ def test_paper_test_profile_end_to_end(paper_id, tmp_path):
     train_in_process(paper_id, params, data_dir, out_dir)
     assert {p: p.read_text() for p in committed} == before
     again = evaluate(paper, params, data_dir, out_dir, run_id=None)
-    results = lambda m: {k: v for k, v in m.items() if not k.startswith("timing/")}  # noqa: E731 (the load, waits)
+    results = lambda m: {k: v for k, v in m.items() if not k.startswith("timing/")}  # noqa: E731 (steps a second, the load, waits)
     assert results(again) == results(metrics)
 
 
