@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from models import registry
-from tasks import data, tracking
+from tasks import data, ledger, tracking
 
 
 @dataclass
@@ -72,7 +72,7 @@ def lookup(asks: list[registry.RawRequest]) -> dict[str, PipelineResult]:
         experiment = tracking.client().get_experiment_by_name(f"paperline/{pid}") if data_hash else None
         if experiment is None:
             continue
-        run = tracking.find_cached(experiment.experiment_id, tracking.run_key(pid, ask.profile, ask.raw, data_hash))
+        run = tracking.find_cached(experiment.experiment_id, ledger.pipeline_key(ask, data_hash))
         if run is None:
             continue
         tracking.mark_reused(run.info.run_id)

@@ -32,7 +32,7 @@ from flows.report import ui_url  # noqa: E402
 from models import registry  # noqa: E402
 from models.contract import PaperParams  # noqa: E402, F401 (Prefect resolves RunRequest.params here)
 from models.registry import RunRequest  # noqa: E402
-from tasks import keys, quiet, settings, tracking, train  # noqa: E402
+from tasks import keys, ledger, quiet, settings, tracking, train  # noqa: E402
 from tasks.context import send_pending  # noqa: E402
 from tasks.steps import conclude, evaluate_task, prepare_task, recorded_metrics, train_task  # noqa: E402
 from tasks.train import TrainJob  # noqa: E402
@@ -121,73 +121,101 @@ def _one_run_per_paper(paper: str):
 
 
 def _run(request: RunRequest, force: bool, start: float) -> dict:
-    paper, profile, count = request.paper, request.profile, request.replicates
-    spec = registry.get(paper)
-    where = f"DVC stage {'prepare@' + paper if request.is_default else profile + ' variant'}"
+    """The pipeline's four steps: prepare every replicate's data, read the ledger (what MLflow already holds),
+    train and evaluate what it leaves to do, conclude over all replicates."""
+    prepared = _prepare(request)
+    exp_id = tracking.experiment_id(request.paper)
+    tracking.mark_orphans_killed(exp_id)
+    book = ledger.read(request, [p.data_hash for p in prepared], exp_id, force)
+    if book.cached is not None:
+        return _reuse(request, book.cached, prepared, exp_id, start)
+    _say_stored(request, book)
+    if book.trains_nothing:  # the prestarted ranks are not needed
+        train.cancel_prestarted(request.paper)
+    run_id = _open_run(request, exp_id, book, prepared, force)
+    with _failing(run_id, request.paper):
+        done = _train_and_evaluate(request, prepared, book, run_id, exp_id)
+        claim = _conclude(request, prepared, done, run_id, start)
+    result = PipelineResult(request.paper, request.profile, run_id, False, claim.verdict, claim.text, claim.numbers,
+                            claim.reason, claim.replicates, _data_hash(prepared), time.perf_counter() - start,
+                            request.premises_only, sum(e.action in ("train", "resume") for e in book.replicates))
+    return _publish(result, exp_id)
+
+
+def _prepare(request: RunRequest) -> list:
+    """Every replicate's DVC data stage, brought up to date."""
+    paper, count = request.paper, request.replicates
+    where = f"DVC stage {'prepare@' + paper if request.is_default else request.profile + ' variant'}"
     _say(f"[{paper}] prepare: {where}" + (f" and {count - 1} replicate variant(s)" if count > 1 else ""))
+    spec = registry.get(paper)
     prepared = [prepare_task.with_options(task_run_name=f"prepare {paper} r{i}")(spec, request, i)
                 for i in range(count)]
-    data_hash = ",".join(p.data_hash for p in prepared)
     ran = sum(p.ran for p in prepared)
-    _say(f"[{paper}] data {_short(data_hash)} ({f'{ran} prepared' if ran else 'up to date'}, "
+    _say(f"[{paper}] data {_short(_data_hash(prepared))} ({f'{ran} prepared' if ran else 'up to date'}, "
          f"{sum(p.seconds for p in prepared):.1f}s)")
+    return prepared
 
-    exp_id = tracking.experiment_id(paper)
-    tracking.mark_orphans_killed(exp_id)
-    key = tracking.run_key(paper, profile, request.raw, data_hash)
-    if request.premises_only:  # its own result: a premises-only run never answers for a full one, nor back
-        key = f"premises-{key}"
-    cached = None if force else tracking.find_cached(exp_id, key)
-    if cached is not None:
-        result = PipelineResult.reused_run(cached, paper, profile, data_hash, start)
-        tracking.mark_reused(cached.info.run_id)
-        _say(f"[{paper}] unchanged code, params and data: reusing run {cached.info.run_id} (use --force to retrain)")
-        print(result.claim_line(), flush=True)
-        to_flow_run_log(result.claim_line())
-        publish_artifact(result, exp_id)
-        return asdict(result)
 
-    client = tracking.client()
-    stored = {} if force else stored_replicates(request, prepared, exp_id)
-    if len(stored) == count:  # nothing to train: the prestarted ranks are not needed
-        train.cancel_prestarted(paper)
-    run_id = _open_run(request, exp_id, key, data_hash, prepared, force)
-    _tag_lineage(run_id, request, stored)
-    _say(f"[{paper}] MLflow run {tracking.ui_link(ui_url(), exp_id, run_id)}")
-    _say(f"[{paper}] Prefect flow run {prefect_link()}")
-    try:
-        with ThreadPoolExecutor(1, thread_name_prefix=f"evaluate-{paper}") as evaluator:
-            pending = [_replicate(spec, request, i, prepared[i], run_id, exp_id, evaluator, stored.get(i),
-                                  trains_later=any(j not in stored for j in range(i + 1, count)))
-                       for i in range(count)]
-            done = [future.result() for future in pending]
-        client.set_tag(run_id, "paperline.replicate_runs", ",".join(d.run_id for d in done))
-        t_conclude = time.perf_counter()
-        runs = settings.runs_dir() / paper
-        claim = conclude(spec, run_id, [d.metrics for d in done], runs / run_id, runs / done[0].run_id,
-                         request.premises_only)
-        now = time.perf_counter()
-        for name, seconds in (("prepare", sum(p.seconds for p in prepared)),
-                              ("replicates", sum(d.seconds for d in done)), ("conclude", now - t_conclude),
-                              ("total", now - start)):
-            client.log_metric(run_id, f"time/{name}_s", seconds, step=0)
-        measured = [d.cpu_s for d in done if d.cpu_s is not None]
-        if measured:  # the budget a paper issue sizes its profile by (smoke: <= 120 a replicate)
-            client.log_metric(run_id, "cpu/replicate_mean_s", sum(measured) / len(measured), step=0)
-            client.log_metric(run_id, "cpu/replicate_max_s", max(measured), step=0)
-        client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
-        if not request.premises_only:  # a premises-only run never becomes a model version, let alone champion
-            promote_task(paper, run_id)
-    except BaseException:
-        try:
-            client.set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
-        except Exception:  # noqa: BLE001 - tracking itself is down: the next start marks the run KILLED
-            _say(f"[{paper}] could not mark run {run_id} FAILED (tracking unreachable); checkpoints kept in "
-                 f"{settings.runs_dir() / paper}, a rerun continues from them")
-        raise
-    result = PipelineResult(paper, profile, run_id, False, claim.verdict, claim.text, claim.numbers, claim.reason,
-                            claim.replicates, data_hash, time.perf_counter() - start, request.premises_only,
-                            count - len(stored))
+def _data_hash(prepared) -> str:
+    return ",".join(p.data_hash for p in prepared)
+
+
+def _reuse(request: RunRequest, cached, prepared, exp_id: str, start: float) -> dict:
+    tracking.mark_reused(cached.info.run_id)
+    _say(f"[{request.paper}] unchanged code, params and data: reusing run {cached.info.run_id} "
+         "(use --force to retrain)")
+    return _publish(PipelineResult.reused_run(cached, request.paper, request.profile, _data_hash(prepared), start),
+                    exp_id)
+
+
+def _say_stored(request: RunRequest, book: ledger.Ledger) -> None:
+    reused, count, paper = book.reused, request.replicates, request.paper
+    if len(reused) == count:
+        _say(f"[{paper}] all {count} replicates trained earlier with this code, params, data and seeds: deciding "
+             "from their stored metrics (no training)")
+    elif reused:
+        missing = [f"r{e.index}" for e in book.replicates if e.action != "reuse"]
+        _say(f"[{paper}] {len(reused)} of {count} replicates trained earlier: training the {len(missing)} missing "
+             f"({', '.join(missing)}) and deciding over all {count}")
+
+
+def _train_and_evaluate(request: RunRequest, prepared, book: ledger.Ledger, run_id: str, exp_id: str) -> list:
+    """Every replicate as the ledger says; each evaluation runs on one evaluator thread while the next replicate
+    trains (not where the paper's timed parts need a quiet machine: tasks/quiet.py)."""
+    spec = registry.get(request.paper)
+    _say(f"[{request.paper}] MLflow run {tracking.ui_link(ui_url(), exp_id, run_id)}")
+    _say(f"[{request.paper}] Prefect flow run {prefect_link()}")
+    with ThreadPoolExecutor(1, thread_name_prefix=f"evaluate-{request.paper}") as evaluator:
+        pending = [_replicate(spec, request, entry, prepared[entry.index], run_id, exp_id, evaluator,
+                              trains_later=book.trains_after(entry.index)) for entry in book.replicates]
+        done = [future.result() for future in pending]
+    tracking.client().set_tag(run_id, "paperline.replicate_runs", ",".join(d.run_id for d in done))
+    return done
+
+
+def _conclude(request: RunRequest, prepared, done: list, run_id: str, start: float):
+    """The claim decided over all replicates, the run's stage times and CPU budget, its model version."""
+    paper, client = request.paper, tracking.client()
+    t_conclude = time.perf_counter()
+    runs = settings.runs_dir() / paper
+    claim = conclude(registry.get(paper), run_id, [d.metrics for d in done], runs / run_id, runs / done[0].run_id,
+                     request.premises_only)
+    now = time.perf_counter()
+    for name, seconds in (("prepare", sum(p.seconds for p in prepared)), ("replicates", sum(d.seconds for d in done)),
+                          ("conclude", now - t_conclude), ("total", now - start)):
+        client.log_metric(run_id, f"time/{name}_s", seconds, step=0)
+    measured = [d.cpu_s for d in done if d.cpu_s is not None]
+    if measured:  # the budget a paper issue sizes its profile by (smoke: <= 120 a replicate)
+        client.log_metric(run_id, "cpu/replicate_mean_s", sum(measured) / len(measured), step=0)
+        client.log_metric(run_id, "cpu/replicate_max_s", max(measured), step=0)
+    client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
+    if not request.premises_only:  # a premises-only run never becomes a model version, let alone champion
+        promote_task(paper, run_id)
+    return claim
+
+
+def _publish(result: PipelineResult, exp_id: str) -> dict:
+    """The claim line on the console and in the flow run's log, and the verdict as a Prefect artifact."""
     print(result.claim_line(), flush=True)
     to_flow_run_log(result.claim_line())
     publish_artifact(result, exp_id)
@@ -232,17 +260,19 @@ def _short(data_hash: str) -> str:
     return hashes[0] if len(hashes) == 1 else f"{hashes[0][:12]} +{len(hashes) - 1}"
 
 
-def _open_run(request: RunRequest, exp_id: str, key: str, data_hash: str, prepared, force: bool) -> str:
-    """The pipeline's parent run: a killed or failed run of the same work continues (its finished replicates are
-    kept), otherwise a new one with the lineage `paperline reproduce` replays."""
+def _open_run(request: RunRequest, exp_id: str, book: ledger.Ledger, prepared, force: bool) -> str:
+    """The pipeline's parent run: the ledger's resumable run continues (its finished replicates are kept),
+    otherwise a new one with the lineage `paperline reproduce` replays. Either way it is tagged with where its
+    replicates come from (`_tag_lineage`)."""
     paper, profile, client = request.paper, request.profile, tracking.client()
-    resumable = None if force else tracking.find_resumable(exp_id, key)
-    if resumable is not None:
-        run_id = resumable.info.run_id
+    key, data_hash = book.key, _data_hash(prepared)
+    if book.resumable is not None:
+        run_id = book.resumable.info.run_id
         client.update_run(run_id, status="RUNNING")
         client.set_tag(run_id, "paperline.pid", str(os.getpid()))
         client.set_tag(run_id, "paperline.resumed_by_flow_run", str(runtime.flow_run.id or ""))
         _say(f"[{paper}] continuing interrupted run {run_id}: finished replicates are kept")
+        _tag_lineage(run_id, request, book)
         return run_id
     tags = {
         "paperline.paper": paper, "paperline.profile": profile, "paperline.cache_key": key,
@@ -270,6 +300,7 @@ def _open_run(request: RunRequest, exp_id: str, key: str, data_hash: str, prepar
     log_datasets(run_id, prepared)
     if profile == "full":  # the estimate a finished full run is held against (`paperline plan`)
         _log_plan(run_id, request)
+    _tag_lineage(run_id, request, book)
     return run_id
 
 
@@ -319,35 +350,31 @@ class ReplicateDone:
     cpu_s: float | None = None  # CPU seconds of its training ranks and evaluation (None: not measured)
 
 
-def _replicate(spec, request: RunRequest, index: int, prepared, parent_id: str, exp_id: str,
-               evaluator: ThreadPoolExecutor, stored=None, trains_later: bool = True) -> Future[ReplicateDone]:
-    """Replicate `index` as a child run of the pipeline's run: kept when it finished, continued from its
-    checkpoints when it was killed, its stored metrics reused when another pipeline run trained exactly it
-    (`stored`), otherwise trained; its evaluation goes to `evaluator` (one thread), so it runs while the next
-    replicate trains, except where the paper's timed parts need a quiet machine (tasks/quiet.py)."""
-    paper, client = request.paper, tracking.client()
+def _replicate(spec, request: RunRequest, entry: ledger.ReplicateEntry, prepared, parent_id: str, exp_id: str,
+               evaluator: ThreadPoolExecutor, trains_later: bool = True) -> Future[ReplicateDone]:
+    """Replicate `entry.index` as a child run of the pipeline's run, as the ledger says: kept or reused (its
+    stored metrics), continued from its checkpoints, or trained; its evaluation goes to `evaluator` (one thread),
+    so it runs while the next replicate trains, except where the paper's timed parts need a quiet machine."""
+    paper, client, index = request.paper, tracking.client(), entry.index
     rep = request.replicate(index)
     label = f"{paper} r{index}"
-    key = tracking.training_key(paper, request.profile, rep.raw, prepared.data_hash)
-    earlier = tracking.find_replicate(exp_id, parent_id, index, key)
-    if earlier is None and stored is not None:
-        earlier = stored
-        _say(f"[{label}] trained earlier with this code, params, data and seed (run {stored.info.run_id}): "
-             "its stored metrics are reused")
-    elif earlier is not None and earlier.info.status == "FINISHED":
-        _say(f"[{label}] finished earlier in this run: kept")
-    if earlier is not None and earlier.info.status == "FINISHED":
+    if entry.action in ("keep", "reuse"):
+        earlier = entry.earlier
+        _say(f"[{label}] finished earlier in this run: kept" if entry.action == "keep" else
+             f"[{label}] trained earlier with this code, params, data and seed (run {earlier.info.run_id}): its "
+             "stored metrics are reused")
         kept: Future[ReplicateDone] = Future()
         kept.set_result(ReplicateDone(earlier.info.run_id, recorded_metrics(
             earlier, settings.runs_dir() / paper / earlier.info.run_id), 0.0,
             earlier.data.metrics.get("cpu/replicate_s")))
         return kept
-    if earlier is not None:
-        child_id = earlier.info.run_id
+    if entry.action == "resume":
+        child_id = entry.earlier.info.run_id
         client.update_run(child_id, status="RUNNING")
         client.set_tag(child_id, "paperline.pid", str(os.getpid()))
         _say(f"[{label}] continuing from its checkpoints (run {child_id})")
     else:
+        key = entry.key
         tags = {"mlflow.parentRunId": parent_id, "paperline.kind": "replicate", "paperline.replicate": str(index),
                 "paperline.paper": paper, "paperline.profile": request.profile, "paperline.cache_key": key,
                 "paperline.training_key": key,
@@ -400,51 +427,32 @@ def _replicate(spec, request: RunRequest, index: int, prepared, parent_id: str, 
 
 
 @contextlib.contextmanager
-def _failing(child_id: str):
-    """Mark the replicate's run FAILED when what it wraps raises (the parent's handler says what to do next)."""
+def _failing(run_id: str, paper: str | None = None):
+    """Mark the run FAILED when what it wraps raises: the ledger then offers it to the next run to continue.
+    `paper`: it is the paper's pipeline run (the console says where its checkpoints are when tracking is down)."""
     try:
         yield
     except BaseException:
         try:
-            tracking.client().set_terminated(child_id, RunStatus.to_string(RunStatus.FAILED))
+            tracking.client().set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
         except Exception:  # noqa: BLE001 - tracking down: the next start marks the run KILLED
-            pass
+            if paper is not None:
+                _say(f"[{paper}] could not mark run {run_id} FAILED (tracking unreachable); checkpoints kept in "
+                     f"{settings.runs_dir() / paper}, a rerun continues from them")
         raise
 
 
-def stored_replicates(request: RunRequest, prepared, exp_id: str) -> dict[int, Any]:
-    """The replicates some earlier pipeline run trained exactly as this one would (same paper, profile, training
-    key, data and seed), by index: they are not trained again. All of them: the claim or the decision rule changed
-    and the claim is decided again from their metrics; some: the run extends them with the missing replicates."""
-    found = {}
-    for i, ready in enumerate(prepared):
-        rep = request.replicate(i)
-        key = tracking.training_key(request.paper, request.profile, rep.raw, ready.data_hash)
-        run = tracking.find_trained(exp_id, request.paper, request.profile, key, ready.data_hash, rep.params.seed)
-        if run is not None:
-            found[i] = run
-    count, paper = request.replicates, request.paper
-    if len(found) == count:
-        _say(f"[{paper}] all {count} replicates trained earlier with this code, params, data and seeds: deciding "
-             "from their stored metrics (no training)")
-    elif found:
-        missing = [f"r{i}" for i in range(count) if i not in found]
-        _say(f"[{paper}] {len(found)} of {count} replicates trained earlier: training the {len(missing)} missing "
-             f"({', '.join(missing)}) and deciding over all {count}")
-    return found
-
-
-def _tag_lineage(run_id: str, request: RunRequest, stored: dict[int, Any]) -> None:
+def _tag_lineage(run_id: str, request: RunRequest, book: ledger.Ledger) -> None:
     """Where the parent's replicates come from: `paperline.lineage` says trained / extended / re-decided,
     `paperline.stored_replicates` names the earlier child runs it points at, `paperline.stored_from` their
     parents (the runs it re-decides or extends); `paperline.premises_only` marks a run blind to its claim."""
-    count = request.replicates
-    lineage = "trained" if not stored else "re-decided" if len(stored) == count else "extended"
-    tags = [RunTag("paperline.lineage", lineage),
-            RunTag("paperline.trained_replicates", ",".join(str(i) for i in range(count) if i not in stored)),
-            RunTag("paperline.stored_replicates", ",".join(f"{i}:{r.info.run_id}" for i, r in sorted(stored.items()))),
+    reused = book.reused
+    tags = [RunTag("paperline.lineage", book.lineage),
+            RunTag("paperline.trained_replicates", ",".join(str(e.index) for e in book.replicates
+                                                            if e.action != "reuse")),
+            RunTag("paperline.stored_replicates", ",".join(f"{i}:{r.info.run_id}" for i, r in sorted(reused.items()))),
             RunTag("paperline.stored_from", ",".join(sorted({r.data.tags.get("mlflow.parentRunId", "")
-                                                              for r in stored.values()})))]
+                                                              for r in reused.values()})))]
     if request.premises_only:
         tags.append(RunTag("paperline.premises_only", "true"))
     tracking.client().log_batch(run_id, tags=tags)
