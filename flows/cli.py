@@ -42,11 +42,13 @@ def _fail(message: str, code: int = 2) -> None:
 
 @app.command("list")
 def list_papers() -> None:
-    """Paper ids, titles and the latest verdict (with its run's profile); imports no paper and no MLflow."""
+    """Paper ids, titles and the latest verdict (with its run's profile and CPU seconds a replicate); imports no
+    paper and no MLflow."""
     from flows.listing import listing
 
     for row in listing():
-        typer.echo(f"{row.paper:24s} {row.verdict:14s} {row.profile:6s} {row.title}")
+        cpu = "-" if row.cpu_s is None else f"{row.cpu_s:.0f} CPU-s"
+        typer.echo(f"{row.paper:24s} {row.verdict:14s} {row.profile:6s} {cpu:>10s} {row.title}")
 
 
 @app.command()

@@ -2,7 +2,8 @@
 torch and every paper's libraries: seconds), verdicts from the tracking store in one query.
 
 The verdict is the latest finished run's tag `claim.verdict` (holds / does not hold / inconclusive), or for runs
-from before verdicts had three values, `claim.holds` (true / false).
+from before verdicts had three values, `claim.holds` (true / false); beside it, what a replicate of that run cost
+(`cpu/replicate_mean_s`: CPU seconds of all its processes, mean over replicates), so a profile's budget is in view.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class Listed:
     title: str
     verdict: str  # "-" when no finished run has one
     profile: str  # the profile of the run the verdict comes from
+    cpu_s: float | None = None  # that run's CPU seconds a replicate (mean), when it recorded them
 
 
 def title(paper_id: str) -> str | None:
@@ -80,8 +82,11 @@ def verdict_of(tags: dict[str, str]) -> str:
     return "-" if holds is None else ("holds" if holds == "true" else "does not hold")
 
 
-def latest_verdicts() -> dict[str, tuple[str, str]]:
-    """paper id -> (verdict, profile) of its latest finished run that has a verdict."""
+Latest = tuple[str, str, float | None]  # verdict, profile, CPU-s a replicate
+
+
+def latest_verdicts() -> dict[str, Latest]:
+    """paper id -> (verdict, profile, CPU-s a replicate) of its latest finished run that has a verdict."""
     uri = settings.tracking_uri()
     if uri.startswith("sqlite:///"):
         path = Path(uri.removeprefix("sqlite:///"))
@@ -98,30 +103,34 @@ WHERE e.name LIKE 'paperline/%' AND e.lifecycle_stage = 'active' AND r.lifecycle
   AND r.status = 'FINISHED' AND t.key IN ('claim.verdict', 'claim.holds', 'paperline.profile')
 ORDER BY r.start_time DESC, r.run_uuid
 """
+_CPU = "SELECT run_uuid, value FROM latest_metrics WHERE key = 'cpu/replicate_mean_s' AND run_uuid IN ({})"
 
 
-def _from_sqlite(path: Path) -> dict[str, tuple[str, str]]:
+def _from_sqlite(path: Path) -> dict[str, Latest]:
     try:
         with sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10) as db:
             rows = db.execute(_LATEST).fetchall()
+            runs: dict[str, tuple[str, dict[str, str]]] = {}
+            order: list[str] = []
+            for name, run_id, key, value in rows:
+                if run_id not in runs:
+                    runs[run_id] = (name.removeprefix("paperline/"), {})
+                    order.append(run_id)
+                runs[run_id][1][key] = value
+            chosen: dict[str, str] = {}  # paper -> its latest run with a verdict
+            for run_id in order:  # newest first
+                paper, tags = runs[run_id]
+                if paper not in chosen and verdict_of(tags) != "-":
+                    chosen[paper] = run_id
+            ids = list(chosen.values())
+            cpu = dict(db.execute(_CPU.format(",".join("?" * len(ids))), ids).fetchall()) if ids else {}
     except sqlite3.DatabaseError:  # an older or newer schema: ask MLflow
         return _from_client()
-    runs: dict[str, tuple[str, dict[str, str]]] = {}
-    order: list[str] = []
-    for name, run_id, key, value in rows:
-        if run_id not in runs:
-            runs[run_id] = (name.removeprefix("paperline/"), {})
-            order.append(run_id)
-        runs[run_id][1][key] = value
-    out: dict[str, tuple[str, str]] = {}
-    for run_id in order:  # newest first
-        paper, tags = runs[run_id]
-        if paper not in out and verdict_of(tags) != "-":
-            out[paper] = (verdict_of(tags), tags.get("paperline.profile", ""))
-    return out
+    return {paper: (verdict_of(runs[run_id][1]), runs[run_id][1].get("paperline.profile", ""), cpu.get(run_id))
+            for paper, run_id in chosen.items()}
 
 
-def _from_client() -> dict[str, tuple[str, str]]:
+def _from_client() -> dict[str, Latest]:
     from tasks import tracking
 
     c, out = tracking.client(), {}
@@ -130,12 +139,13 @@ def _from_client() -> dict[str, tuple[str, str]]:
                                  order_by=["attributes.start_time DESC"], max_results=20):
             verdict = verdict_of(run.data.tags)
             if verdict != "-":
-                out[exp.name.removeprefix("paperline/")] = (verdict, run.data.tags.get("paperline.profile", ""))
+                out[exp.name.removeprefix("paperline/")] = (verdict, run.data.tags.get("paperline.profile", ""),
+                                                            run.data.metrics.get("cpu/replicate_mean_s"))
                 break
     return out
 
 
 def listing() -> list[Listed]:
     verdicts = latest_verdicts()
-    return [Listed(pid, t, *verdicts.get(pid, ("-", ""))) for pid, t in titles(registry.paper_ids()).items()
+    return [Listed(pid, t, *verdicts.get(pid, ("-", "", None))) for pid, t in titles(registry.paper_ids()).items()
             if t is not None]

@@ -14,9 +14,11 @@ from tasks import tracking
 from tests.conftest import PROJECT
 
 
-def _finished(paper: str, tags: dict[str, str], start_ms: int) -> None:
+def _finished(paper: str, tags: dict[str, str], start_ms: int, metrics: dict[str, float] | None = None) -> None:
     client = tracking.client()
     run = client.create_run(tracking.experiment_id(paper), start_time=start_ms, tags=tags)
+    for key, value in (metrics or {}).items():
+        client.log_metric(run.info.run_id, key, value, step=0)
     client.set_terminated(run.info.run_id, "FINISHED", end_time=start_ms + 1)
 
 
@@ -28,12 +30,14 @@ def test_titles_from_source_match_the_registry():
 def test_verdicts_new_tag_first_then_old(workspace):
     now = int(time.time() * 1000)
     _finished("sei", {"claim.holds": "true", "paperline.profile": "smoke"}, now - 5000)
-    _finished("sei", {"claim.verdict": "inconclusive", "paperline.profile": "smoke"}, now)  # the latest wins
+    _finished("sei", {"claim.verdict": "inconclusive", "paperline.profile": "smoke"}, now,
+              {"cpu/replicate_mean_s": 61.25})  # the latest wins
     _finished("qubo_relax", {"claim.holds": "false", "paperline.profile": "test"}, now)  # before claim.verdict
     _finished("pacer", {"paperline.profile": "smoke"}, now)  # no verdict: not counted
     rows = {r.paper: r for r in listing.listing()}
-    assert (rows["sei"].verdict, rows["sei"].profile) == ("inconclusive", "smoke")
-    assert (rows["qubo_relax"].verdict, rows["qubo_relax"].profile) == ("does not hold", "test")
+    assert (rows["sei"].verdict, rows["sei"].profile, rows["sei"].cpu_s) == ("inconclusive", "smoke", 61.25)
+    assert (rows["qubo_relax"].verdict, rows["qubo_relax"].profile, rows["qubo_relax"].cpu_s) == (
+        "does not hold", "test", None)
     assert rows["pacer"].verdict == "-" and rows["tbik"].verdict == "-"
     assert listing._from_client() == listing._from_sqlite(workspace / "mlflow.db")  # a server answers the same
 
@@ -41,7 +45,7 @@ def test_verdicts_new_tag_first_then_old(workspace):
     out = subprocess.run([sys.executable, "-X", "importtime", "-m", "flows.cli", "list"], cwd=PROJECT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "inconclusive" in out.stdout and "sei" in out.stdout
+    assert "inconclusive" in out.stdout and "61 CPU-s" in out.stdout and "sei" in out.stdout
     imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time")}
     assert not {"torch", "mlflow", "prefect", "deepspeed"} & imported  # what made the first list take 12.7 s
     assert not {"dvc", "models.sei"} & imported  # nor DVC nor a paper
