@@ -57,6 +57,15 @@ def _seconds(stderr: str, label: str) -> float:
     return float(found.group(1)) if found else float("nan")
 
 
+def _commit() -> str:
+    """HEAD's short hash, marked `+dirty` when tracked files differ from it (the numbers are then not HEAD's)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
+
+
 def run_suite(parallel: int) -> dict:
     command = ["/usr/bin/time", "-v", str(ROOT / ".venv" / "bin" / "paperline"), "run", "--all", "--force",
                "--parallel", str(parallel)]
@@ -73,8 +82,7 @@ def run_suite(parallel: int) -> dict:
     return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "cores": cores,
             "core_busy": round(cpu / (wall * cores), 3), "load_1m_before": round(load_before, 2),
             "exit_code": done.returncode, "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                     text=True).stdout.strip(),
+            "commit": _commit(),
             "peak_rss_mb_largest_process": round(int(peak.group(1)) / 1024) if peak else None,
             "papers_finished": sum(p["status"] == "FINISHED" for p in papers.values()), "papers": papers}
 

@@ -138,7 +138,7 @@ def _run(request: RunRequest, force: bool, start: float) -> dict:
         claim = _conclude(request, prepared, done, run_id, start)
     result = PipelineResult(request.paper, request.profile, run_id, False, claim.verdict, claim.text, claim.numbers,
                             claim.reason, claim.replicates, _data_hash(prepared), time.perf_counter() - start,
-                            request.premises_only, sum(e.action in ("train", "resume") for e in book.replicates))
+                            request.premises_only, book.trained)
     return _publish(result, exp_id)
 
 
@@ -358,7 +358,7 @@ def _replicate(spec, request: RunRequest, entry: ledger.ReplicateEntry, prepared
     paper, client, index = request.paper, tracking.client(), entry.index
     rep = request.replicate(index)
     label = f"{paper} r{index}"
-    if entry.action in ("keep", "reuse"):
+    if not entry.trains:
         earlier = entry.earlier
         _say(f"[{label}] finished earlier in this run: kept" if entry.action == "keep" else
              f"[{label}] trained earlier with this code, params, data and seed (run {earlier.info.run_id}): its "

@@ -35,6 +35,11 @@ class ReplicateEntry:
     action: Action
     earlier: Any = None    # the MLflow run kept, resumed or reused (None: train)
 
+    @property
+    def trains(self) -> bool:
+        """Whether its ranks run (train from scratch or resume from checkpoints)."""
+        return self.action in ("train", "resume")
+
 
 @dataclass(frozen=True)
 class Ledger:
@@ -55,12 +60,17 @@ class Ledger:
         return "trained" if not reused else "re-decided" if reused == len(self.replicates) else "extended"
 
     @property
+    def trained(self) -> int:
+        """How many replicates train or resume."""
+        return sum(e.trains for e in self.replicates)
+
+    @property
     def trains_nothing(self) -> bool:
-        return all(e.action in ("keep", "reuse") for e in self.replicates)
+        return self.trained == 0
 
     def trains_after(self, index: int) -> bool:
         """Whether a replicate after `index` trains (so its ranks may warm up while `index` evaluates)."""
-        return any(e.action in ("train", "resume") for e in self.replicates[index + 1:])
+        return any(e.trains for e in self.replicates[index + 1:])
 
 
 def read(request, data_hashes: Sequence[str], exp_id: str, force: bool) -> Ledger:
