@@ -58,12 +58,12 @@ def _seconds(stderr: str, label: str) -> float:
 
 
 def _commit() -> str:
-    """HEAD's short hash, marked `+dirty` when tracked files differ from it (the numbers are then not HEAD's)."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    """HEAD's short hash, marked `+dirty` when code differs from it (the numbers are then not HEAD's); what the run
+    itself writes (dvc.lock, reports/, variants/) does not count, as for the runs' own commit tags."""
+    from tasks import tracking
 
-    dirty = git("status", "--porcelain", "--untracked-files=no")
-    return git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
+    commit = tracking.git_commit()
+    return commit[:7] + ("+dirty" if commit.endswith("-dirty") else "")
 
 
 def run_suite(parallel: int) -> dict:

@@ -2,6 +2,7 @@
 
     python benchmarks/tables.py suite          # smoke wall/CPU/stage times per paper, slowest first
     python benchmarks/tables.py suite_run      # the whole suite in one command: per setting, then per paper
+    python benchmarks/tables.py suite_run --write   # into its generated block in benchmarks/README.md
     python benchmarks/tables.py reproduce      # which papers reproduce bitwise
 """
 
@@ -42,14 +43,19 @@ def suite_run() -> str:
     for key, r in settings.items():
         lines += [f"\n`{key}`, per paper (slowest first; CPU s a replicate: mean / max; steps a second per phase, "
                   "mean over replicates):\n",
-                  "| paper | wall s | replicates | CPU s a replicate | prepare s | train s | evaluate s | "
-                  "steps a second | verdict |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| paper | wall s | replicates | CPU s a replicate | prepare s | replicates s | "
+                  "steps a second | verdict |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for paper, p in sorted(r["papers"].items(), key=lambda kv: -(kv[1].get("wall_s") or 0)):
             rates = ", ".join(f"{phase} {rate:g}" for phase, rate in p.get("steps_per_s", {}).items())
             cpu = f"{p.get('cpu/replicate_mean_s', '')} / {p.get('cpu/replicate_max_s', '')}"
+            verdict = (p.get("verdict") or "") + (f": {p['reason']}" if p.get("reason") else "")
             lines.append(f"| {paper} | {p.get('wall_s', '')} | {p.get('replicates', '')} | {cpu} | "
-                         f"{p.get('time/prepare_s', '')} | {p.get('time/train_s', '')} | "
-                         f"{p.get('time/evaluate_s', '')} | {rates} | {p.get('verdict', '')} |")
+                         f"{p.get('time/prepare_s', '')} | {p.get('time/replicates_s', '')} | {rates} | "
+                         f"{verdict.replace('|', '/')} |")
+        means = [p["cpu/replicate_mean_s"] for p in r["papers"].values() if "cpu/replicate_mean_s" in p]
+        if means:
+            lines.append(f"\n{len(means)} papers measured: {sum(means) / len(means):.0f} CPU s a replicate on "
+                         f"average (target about 60), {sum(m > 120 for m in means)} over the 120 s budget.")
     return "\n".join(lines)
 
 
@@ -70,5 +76,23 @@ def reproduce() -> str:
     return "\n".join(lines)
 
 
+README = Path(__file__).resolve().parent / "README.md"
+
+
+def write(name: str, readme: Path = README) -> None:
+    """Replace the README's generated block of table `name` (between its two marker lines) with the table."""
+    begin, end = f"<!-- generated: python benchmarks/tables.py {name} --write -->", f"<!-- end: {name} -->"
+    text = readme.read_text()
+    if begin not in text or end not in text:
+        raise SystemExit(f"{readme}: no block {begin!r} ... {end!r}")
+    head, rest = text.split(begin, 1)
+    readme.write_text(f"{head}{begin}\n{TABLES[name]()}\n{end}{rest.split(end, 1)[1]}")
+
+
+TABLES = {"suite": suite, "suite_run": suite_run, "reproduce": reproduce}
+
 if __name__ == "__main__":
-    print({"suite": suite, "suite_run": suite_run, "reproduce": reproduce}[sys.argv[1]]())
+    if sys.argv[2:] == ["--write"]:
+        write(sys.argv[1])
+    else:
+        print(TABLES[sys.argv[1]]())
