@@ -3,6 +3,7 @@ replicates), timed on a quiet machine: wall, CPU seconds of all its processes an
 paper what its MLflow pipeline run recorded.
 
     python benchmarks/suite_run.py --parallel 2     # each setting given, in order (default: 1, then 2)
+    python benchmarks/suite_run.py --cached 3       # then the cached rerun: the suite and one paper, 3 times each
 
 Writes benchmarks/results/suite_run.json (`python benchmarks/tables.py suite_run` renders it): per setting the
 wall seconds, user + system CPU seconds of every process of the command (`/usr/bin/time -v`), core busyness
@@ -87,11 +88,31 @@ def run_suite(parallel: int) -> dict:
             "papers_finished": sum(p["status"] == "FINISHED" for p in papers.values()), "papers": papers}
 
 
+def cached_rerun(repeats: int) -> dict:
+    """Right after a suite: `paperline run --all` and `paperline run sei` with nothing changed, wall seconds each."""
+    def wall(*args: str) -> float:
+        start = time.perf_counter()
+        subprocess.run([str(ROOT / ".venv" / "bin" / "paperline"), "run", *args], cwd=ROOT, check=True,
+                       capture_output=True)
+        return round(time.perf_counter() - start, 2)
+
+    return {"all_s": [wall("--all") for _ in range(repeats)], "one_paper_s": [wall("sei") for _ in range(repeats)],
+            "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": _commit(),
+            "load_1m_before": round(os.getloadavg()[0], 2)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parallel", type=int, action="append", default=[])
+    parser.add_argument("--cached", type=int, default=0, metavar="N",
+                        help="only time the cached rerun (suite and one paper), N times each")
     args = parser.parse_args()
     results = json.loads(OUT.read_text()) if OUT.exists() else {}
+    if args.cached:
+        results["cached_rerun"] = cached_rerun(args.cached)
+        OUT.write_text(json.dumps(results, indent=1))
+        print(results["cached_rerun"], flush=True)
+        return
     for parallel in args.parallel or [1, 2]:
         results[f"parallel_{parallel}"] = run_suite(parallel)
         OUT.write_text(json.dumps(results, indent=1))

@@ -56,6 +56,10 @@ def suite_run() -> str:
         if means:
             lines.append(f"\n{len(means)} papers measured: {sum(means) / len(means):.0f} CPU s a replicate on "
                          f"average (target about 60), {sum(m > 120 for m in means)} over the 120 s budget.")
+    if cached := results.get("cached_rerun"):
+        lines.append(f"\nCached rerun (nothing changed; {cached['commit']}, {cached['measured_at']}, load "
+                     f"{cached['load_1m_before']}): `paperline run --all` {' / '.join(map(str, cached['all_s']))} s "
+                     f"(target 30), `paperline run sei` {' / '.join(map(str, cached['one_paper_s']))} s (target 2).")
     return "\n".join(lines)
 
 
