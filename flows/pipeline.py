@@ -13,7 +13,6 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from prefect.concurrency.sync import concurrency  # noqa: E402
 
 from flows import lifecycle, morning  # noqa: E402
 from flows.cache import PipelineResult  # noqa: E402
+from flows.launch import UPCOMING, Launcher, Upcoming  # noqa: E402
 from flows.report import ui_url  # noqa: E402
 from models import registry  # noqa: E402
 from models.contract import PaperParams  # noqa: E402, F401 (Prefect resolves RunRequest.params here)
@@ -66,11 +66,6 @@ def _run_logger() -> logging.Logger:
     return logger
 
 
-# set by `suite` for the papers it runs: called when a paper's training ends, to warm up the next paper's ranks
-_after_training: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("after_training",
-                                                                                         default=None)
-
-
 def run_label(paper: str, profile: str, overrides: dict[str, Any] | None) -> str:
     """`sei-smoke`, or with overrides `sei-smoke epochs=5,eta=0.3`: the MLflow run's and the Prefect flow run's
     name, so runs of different overrides tell apart in both UIs."""
@@ -81,30 +76,30 @@ def run_label(paper: str, profile: str, overrides: dict[str, Any] | None) -> str
 
 
 def _flow_run_name() -> str:
+    """`sei-smoke`: from the request (the CLI, the suite) or the names a deployment passes (flows/deployed.py)."""
     parameters = runtime.flow_run.parameters
+    request = parameters.get("request")
+    if isinstance(request, RunRequest):
+        return run_label(request.paper, request.profile, request.overrides)
+    if isinstance(request, dict):  # the request as Prefect stored it
+        return run_label(request.get("paper", "?"), request.get("profile", "?"), request.get("overrides"))
     return run_label(parameters.get("paper", "?"), parameters.get("profile", "smoke"), parameters.get("overrides"))
 
 
 @flow(name="paper-pipeline", flow_run_name=_flow_run_name, log_prints=False)
-def paper_pipeline(paper: str, profile: str = "smoke", overrides: dict[str, Any] | None = None,
-                   force: bool = False, request: RunRequest | None = None) -> dict:
+def paper_pipeline(request: RunRequest, force: bool = False) -> dict:
     """One paper end to end: every replicate prepared, trained and evaluated, then the claim decided over them.
     Reuses the earlier MLflow run when code, params and data are unchanged (unless force); a run that was killed
-    continues at the replicate it lost. `request`: the run already resolved by the caller (the CLI, the suite);
-    deployments pass only the names.
+    continues at the replicate it lost. `request`: resolved by the caller (`registry.ask(...).resolve()`: the CLI,
+    the suite, a deployment's names in flows/deployed.py).
 
     Runs of one paper never overlap: they hold the Prefect global concurrency limit `paper-<id>` (1 slot), which
     `paperline serve` creates; without it (the temporary local API) there is nothing to hold."""
     start = time.perf_counter()
-    if request is None:
-        request = registry.request(paper, profile, overrides, settings.params_file())
-    train.prestart(request.paper, request.params)  # the ranks warm up while the data is checked and the run opens
-    try:
+    with Launcher(request, registry.get(request.paper).claim.timed) as launch:
         tracking.check_reachable()
         with _one_run_per_paper(request.paper):
-            return _run(request, force, start)
-    finally:
-        train.cancel_prestarted(request.paper)  # unclaimed when the run was reused or failed before training
+            return _run(request, force, start, launch)
 
 
 def _one_run_per_paper(paper: str):
@@ -120,7 +115,7 @@ def _one_run_per_paper(paper: str):
     return concurrency(f"paper-{paper}", occupy=1, strict=False)
 
 
-def _run(request: RunRequest, force: bool, start: float) -> dict:
+def _run(request: RunRequest, force: bool, start: float, launch: Launcher) -> dict:
     """The pipeline's four steps: prepare every replicate's data, read the ledger (what MLflow already holds),
     train and evaluate what it leaves to do, conclude over all replicates."""
     prepared = _prepare(request)
@@ -130,11 +125,11 @@ def _run(request: RunRequest, force: bool, start: float) -> dict:
     if book.cached is not None:
         return _reuse(request, book.cached, prepared, exp_id, start)
     _say_stored(request, book)
-    if book.trains_nothing:  # the prestarted ranks are not needed
-        train.cancel_prestarted(request.paper)
+    if book.trains_nothing:
+        launch.nothing_to_train()
     run_id = _open_run(request, exp_id, book, prepared, force)
     with _failing(run_id, request.paper):
-        done = _train_and_evaluate(request, prepared, book, run_id, exp_id)
+        done = _train_and_evaluate(request, prepared, book, run_id, exp_id, launch)
         claim = _conclude(request, prepared, done, run_id, start)
     result = PipelineResult(request.paper, request.profile, run_id, False, claim.verdict, claim.text, claim.numbers,
                             claim.reason, claim.replicates, _data_hash(prepared), time.perf_counter() - start,
@@ -179,16 +174,16 @@ def _say_stored(request: RunRequest, book: ledger.Ledger) -> None:
              f"({', '.join(missing)}) and deciding over all {count}")
 
 
-def _train_and_evaluate(request: RunRequest, prepared, book: ledger.Ledger, run_id: str, exp_id: str) -> list:
-    """Every replicate as the ledger says; each evaluation runs on one evaluator thread while the next replicate
-    trains (not where the paper's timed parts need a quiet machine: tasks/quiet.py)."""
+def _train_and_evaluate(request: RunRequest, prepared, book: ledger.Ledger, run_id: str, exp_id: str,
+                        launch: Launcher) -> list:
+    """Every replicate as the ledger says; each evaluation runs on the launcher's evaluator thread while the next
+    replicate trains (not where the paper's timed parts need a quiet machine: tasks/quiet.py)."""
     spec = registry.get(request.paper)
     _say(f"[{request.paper}] MLflow run {tracking.ui_link(ui_url(), exp_id, run_id)}")
     _say(f"[{request.paper}] Prefect flow run {prefect_link()}")
-    with ThreadPoolExecutor(1, thread_name_prefix=f"evaluate-{request.paper}") as evaluator:
-        pending = [_replicate(spec, request, entry, prepared[entry.index], run_id, exp_id, evaluator,
-                              trains_later=book.trains_after(entry.index)) for entry in book.replicates]
-        done = [future.result() for future in pending]
+    pending = [_replicate(spec, request, entry, prepared[entry.index], run_id, exp_id, launch,
+                          trains_later=book.trains_after(entry.index)) for entry in book.replicates]
+    done = [future.result() for future in pending]
     tracking.client().set_tag(run_id, "paperline.replicate_runs", ",".join(d.run_id for d in done))
     return done
 
@@ -351,10 +346,10 @@ class ReplicateDone:
 
 
 def _replicate(spec, request: RunRequest, entry: ledger.ReplicateEntry, prepared, parent_id: str, exp_id: str,
-               evaluator: ThreadPoolExecutor, trains_later: bool = True) -> Future[ReplicateDone]:
+               launch: Launcher, trains_later: bool = True) -> Future[ReplicateDone]:
     """Replicate `entry.index` as a child run of the pipeline's run, as the ledger says: kept or reused (its
-    stored metrics), continued from its checkpoints, or trained; its evaluation goes to `evaluator` (one thread),
-    so it runs while the next replicate trains, except where the paper's timed parts need a quiet machine."""
+    stored metrics), continued from its checkpoints, or trained; its evaluation goes to the launcher, so it runs
+    while the next replicate trains, except where the paper's timed parts need a quiet machine."""
     paper, client, index = request.paper, tracking.client(), entry.index
     rep = request.replicate(index)
     label = f"{paper} r{index}"
@@ -363,11 +358,9 @@ def _replicate(spec, request: RunRequest, entry: ledger.ReplicateEntry, prepared
         _say(f"[{label}] finished earlier in this run: kept" if entry.action == "keep" else
              f"[{label}] trained earlier with this code, params, data and seed (run {earlier.info.run_id}): its "
              "stored metrics are reused")
-        kept: Future[ReplicateDone] = Future()
-        kept.set_result(ReplicateDone(earlier.info.run_id, recorded_metrics(
+        return Launcher.stored(ReplicateDone(earlier.info.run_id, recorded_metrics(
             earlier, settings.runs_dir() / paper / earlier.info.run_id), 0.0,
             earlier.data.metrics.get("cpu/replicate_s")))
-        return kept
     if entry.action == "resume":
         child_id = entry.earlier.info.run_id
         client.update_run(child_id, status="RUNNING")
@@ -394,12 +387,7 @@ def _replicate(spec, request: RunRequest, entry: ledger.ReplicateEntry, prepared
         with quiet.busy():  # a timing elsewhere waits for it
             train_task.with_options(task_run_name=f"train {label}")(job)
         trained_s = time.perf_counter() - t_train
-        if spec.claim.timed:
-            pass  # no ranks warm up while this replicate is timed: nothing else may run then
-        elif trains_later:
-            train.prestart(paper, request.params)  # the next replicate's ranks warm up while this one evaluates
-        elif (next_up := _after_training.get()) is not None:
-            next_up()
+        launch.trained(trains_later)
         sent = send_pending(client, child_id, out_dir)  # what the ranks could not send while tracking was down
         if sent:
             _say(f"[{label}] sent {sent} metrics held back while the tracking server was unreachable")
@@ -423,7 +411,7 @@ def _replicate(spec, request: RunRequest, entry: ledger.ReplicateEntry, prepared
             client.set_terminated(child_id, RunStatus.to_string(RunStatus.FINISHED))
         return ReplicateDone(child_id, metrics, trained_s + evaluated_s, cpu.get("replicate"))
 
-    return evaluator.submit(contextvars.copy_context().run, evaluate)  # in this flow run's context
+    return launch.evaluate(evaluate)
 
 
 @contextlib.contextmanager
@@ -466,11 +454,16 @@ def promote_task(paper: str, run_id: str) -> None:
     _say(f"[{paper}] model {lifecycle.model_name(paper)} v{version}: {decision.alias} ({decision.reason})")
 
 
-@flow(name="suite", flow_run_name="suite-{profile}")
-def suite(papers: list[str] | None = None, profile: str = "smoke", force: bool = False, parallel: int = 1,
-          requests: list[RunRequest] | None = None) -> list[dict]:
-    """Every given paper (default: all registered); one paper's failure is reported, not fatal. `requests`: the
-    papers' runs already resolved by the caller (the CLI); the nightly deployment passes only names.
+def _suite_run_name() -> str:
+    requests = runtime.flow_run.parameters.get("requests") or []
+    profiles = {r.profile if isinstance(r, RunRequest) else r.get("profile", "?") for r in requests}
+    return f"suite-{'+'.join(sorted(profiles)) or 'empty'}"
+
+
+@flow(name="suite", flow_run_name=_suite_run_name)
+def suite(requests: list[RunRequest], force: bool = False, parallel: int = 1) -> list[dict]:
+    """Every requested paper's pipeline (resolved by the caller: the CLI, the nightly deployment in
+    flows/deployed.py); one paper's failure is reported, not fatal.
 
     `parallel` papers run side by side (threads of this process; training is a subprocess per paper, evaluation
     one paper at a time): one paper's single-threaded stretches (prepare, evaluate, start-up) then use the cores
@@ -478,15 +471,15 @@ def suite(papers: list[str] | None = None, profile: str = "smoke", force: bool =
     started = time.time()
     if parallel < 1:
         raise registry.ConfigError(f"parallel: must be at least 1, got {parallel}")
-    if requests is None:  # every id and profile validated before any work
-        ids = papers or registry.paper_ids()
-        requests = [registry.request(pid, profile, None, settings.params_file()) for pid in ids]
-    upcoming = _Upcoming(requests)
+    if not requests:
+        raise registry.ConfigError("a suite needs at least one paper")
+    profile = requests[0].profile
+    upcoming = Upcoming(requests)
     eta = _Eta(requests)
-    token = _after_training.set(upcoming.prestart_next)  # the papers' contexts are copies holding it
+    token = UPCOMING.set(upcoming)  # the papers' contexts are copies holding it
     calls = [(f"[{i}/{len(requests)}] {r.paper}", r, _in_context(r, force, upcoming))
              for i, r in enumerate(requests, 1)]
-    _after_training.reset(token)
+    UPCOMING.reset(token)
 
     slots: queue.SimpleQueue[tuple[int, ...] | None] = queue.SimpleQueue()
     for cores in train.core_slots(parallel):  # papers side by side train on cores of their own
@@ -583,32 +576,14 @@ def _earlier_seconds(request: RunRequest) -> float | None:
     return runs[0].data.metrics["time/total_s"] * request.replicates / max(then, 1)
 
 
-class _Upcoming:
-    """The suite's papers not started yet, in order. When one paper's training ends, the next paper's ranks are
-    prestarted: they import and join their process group while this paper evaluates on one thread."""
-
-    def __init__(self, requests: list[RunRequest]):
-        self._params = {r.paper: r.params for r in requests}  # insertion order: the suite's order
-        self._lock = threading.Lock()
-
-    def start(self, pid: str) -> None:
-        with self._lock:
-            del self._params[pid]
-
-    def prestart_next(self) -> None:
-        with self._lock:  # held while it starts, so the next paper cannot start (and miss it) in between
-            if self._params:
-                train.prestart(*next(iter(self._params.items())))
-
-
-def _in_context(request: RunRequest, force: bool, upcoming: _Upcoming):
+def _in_context(request: RunRequest, force: bool, upcoming: Upcoming):
     """The paper's pipeline as a subflow of this suite run, callable from any thread (Prefect's run context lives
     in context variables, which a worker thread does not inherit)."""
     context = contextvars.copy_context()
 
     def pipeline(cores: tuple[int, ...] | None) -> dict:
         train.CORES.set(cores)
-        return paper_pipeline(request.paper, request.profile, request.overrides, force, request)
+        return paper_pipeline(request, force)
 
     def run(cores: tuple[int, ...] | None = None) -> dict:
         upcoming.start(request.paper)
@@ -620,9 +595,8 @@ def _in_context(request: RunRequest, force: bool, upcoming: _Upcoming):
 def run_papers(requests: list[RunRequest], force: bool, parallel: int = 1) -> list[dict]:
     """CLI entry: one flow run per paper, or the suite flow for several."""
     if len(requests) == 1:
-        r = requests[0]
-        return [paper_pipeline(r.paper, r.profile, r.overrides, force, r)]
+        return [paper_pipeline(requests[0], force)]
     if any(set(r.overrides) - set(registry.SUITE_OVERRIDES) for r in requests):
         raise registry.ConfigError("--set applies to one paper at a time "
                                    f"(except {', '.join(registry.SUITE_OVERRIDES)})")
-    return suite([r.paper for r in requests], requests[0].profile, force, parallel, requests)
+    return suite(requests, force, parallel)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from prefect import serve
 from prefect.client.schemas.schedules import CronSchedule
 
-from flows.pipeline import paper_pipeline, suite
+from flows.deployed import nightly, paper
 from models import registry
 
 DEFAULT_CRON = "0 2 * * *"
@@ -24,11 +24,11 @@ def deployments(cron: str = DEFAULT_CRON, timezone: str = "UTC", papers: list[st
     ids = papers or registry.paper_ids()
     for pid in ids:
         registry.get(pid)
-    on_demand = [paper_pipeline.to_deployment(name=pid, parameters={"paper": pid, "profile": "smoke"},
-                                              tags=["paperline", pid]) for pid in ids]
-    nightly = suite.to_deployment(name="nightly", schedule=schedule, parameters={"papers": ids, "profile": "smoke"},
-                                  tags=["paperline", "nightly"])
-    return [*on_demand, nightly]
+    on_demand = [paper.to_deployment(name=pid, parameters={"paper": pid, "profile": "smoke"},
+                                     tags=["paperline", pid]) for pid in ids]
+    scheduled = nightly.to_deployment(name="nightly", schedule=schedule,
+                                      parameters={"papers": ids, "profile": "smoke"}, tags=["paperline", "nightly"])
+    return [*on_demand, scheduled]
 
 
 def ensure_paper_limits(papers: list[str]) -> None:

@@ -28,7 +28,7 @@ def _children(parent_id: str) -> list:
 
 
 def test_sei_smoke_pipeline_tracks_reuses_and_versions_overrides(workspace, prefect_harness):
-    from flows.pipeline import paper_pipeline
+    from flows.deployed import paper as run_paper
 
     # two replicates instead of the profile's three keep this test's time down; still the default run
     params = yaml.safe_load((workspace / "params.yaml").read_text())
@@ -40,7 +40,7 @@ def test_sei_smoke_pipeline_tracks_reuses_and_versions_overrides(workspace, pref
                    capture_output=True)
     shell_hash = _lock_hash(workspace)
 
-    first = paper_pipeline("sei", "smoke")
+    first = run_paper("sei", "smoke")
     # replicate 0 is the hand-written stage; replicate 1 (seed + 1) draws its own world in a variant stage
     assert not first["reused"] and first["data_hash"].split(",")[0] == shell_hash == _lock_hash(workspace)
     assert len(set(first["data_hash"].split(","))) == 2 and first["replicates"] == 2
@@ -68,11 +68,11 @@ def test_sei_smoke_pipeline_tracks_reuses_and_versions_overrides(workspace, pref
     artifacts = {a.path for a in tracking.client().list_artifacts(first["run_id"], "plots")}
     assert {"plots/forest.png", "plots/roc_sym0.4-r0_cnn.png", "plots/sei_asy0.2-r0_clip.png"} <= artifacts
 
-    second = paper_pipeline("sei", "smoke")
+    second = run_paper("sei", "smoke")
     assert second["reused"] and second["run_id"] == first["run_id"]
 
     params_before = (workspace / "params.yaml").read_bytes()
-    third = paper_pipeline("sei", "smoke", {"n_samples": 300, "epochs": 2, "downstream_epochs": 1, "ranks": 1})
+    third = run_paper("sei", "smoke", {"n_samples": 300, "epochs": 2, "downstream_epochs": 1, "ranks": 1})
     assert not third["reused"] and set(third["data_hash"].split(",")).isdisjoint(first["data_hash"].split(","))
     assert (workspace / "params.yaml").read_bytes() == params_before
     assert _lock_hash(workspace) == shell_hash  # the default stage's data is untouched

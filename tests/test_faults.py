@@ -33,12 +33,12 @@ def _replicates(parent_id: str) -> list:
 
 
 def test_killed_rank_in_replicate_2_of_3_resumes_that_replicate_bitwise(workspace, prefect_harness, monkeypatch):
-    from flows.pipeline import paper_pipeline
+    from flows.deployed import paper as run_paper
 
-    clean = paper_pipeline("sei", "test", {**FAST, "replicates": 3})
+    clean = run_paper("sei", "test", {**FAST, "replicates": 3})
     # rank 1 of replicate 2 (seed 1) dies after step 3; its step 2 is committed; the train task's retry continues it
     monkeypatch.setenv("PAPERLINE_FAULT", "kill:1:detect:3:seed=1")
-    faulted = paper_pipeline("sei", "test", {**FAST, "replicates": 3}, force=True)
+    faulted = run_paper("sei", "test", {**FAST, "replicates": 3}, force=True)
     children = _replicates(faulted["run_id"])
     fired = [(settings.runs_dir() / "sei" / c.info.run_id / "fault-fired-1-detect-3").exists() for c in children]
     assert fired == [False, True, False], "the fault must have fired in replicate 2 only"
@@ -91,10 +91,10 @@ def test_killed_phase_with_arms_a_schedule_and_an_ema_resumes_bitwise(tmp_path):
 def test_killed_pipeline_is_continued_at_the_replicate_it_lost(workspace, prefect_harness):
     from prefect.settings import PREFECT_API_URL
 
-    from flows.pipeline import paper_pipeline
+    from flows.deployed import paper as run_paper
 
     env = {**os.environ, "PAPERLINE_ROOT": str(workspace), "PREFECT_API_URL": str(PREFECT_API_URL.value())}
-    code = "from flows.pipeline import paper_pipeline; paper_pipeline('sei', 'test', {'replicates': 2})"
+    code = "from flows.deployed import paper as run_paper; run_paper('sei', 'test', {'replicates': 2})"
     log = workspace / "killed-pipeline.log"
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.time() + 300
@@ -106,7 +106,7 @@ def test_killed_pipeline_is_continued_at_the_replicate_it_lost(workspace, prefec
     logs = [d / "train.log" for d in workspace.glob("runs/sei/*")]
     trained = {log.parent.name: log.read_text() for log in logs if log.exists()}
     assert len(trained) == 2
-    result = paper_pipeline("sei", "test", {"replicates": 2})
+    result = run_paper("sei", "test", {"replicates": 2})
     assert not result["reused"] and tracking.client().get_run(result["run_id"]).info.status == "FINISHED"
     children = _replicates(result["run_id"])
     assert {c.info.run_id for c in children} == set(trained) and {c.info.status for c in children} == {"FINISHED"}
@@ -117,12 +117,12 @@ def test_killed_pipeline_is_continued_at_the_replicate_it_lost(workspace, prefec
 
 
 def test_corrupted_data_is_detected_and_regenerated(workspace, prefect_harness):
-    from flows.pipeline import paper_pipeline
+    from flows.deployed import paper as run_paper
 
-    first = paper_pipeline("sei", "test")
+    first = run_paper("sei", "test")
     (table,) = workspace.glob("variants/sei/test-*/data/samples.parquet")  # one replicate: one stage
     table.write_bytes(table.read_bytes()[:100])  # truncated
-    second = paper_pipeline("sei", "test")
+    second = run_paper("sei", "test")
     assert second["data_hash"] == first["data_hash"] and second["reused"]
     import pyarrow.parquet as pq
 

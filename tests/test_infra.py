@@ -13,10 +13,21 @@ import yaml
 from prefect.utilities.schema_tools.validation import validate
 from prefect.utilities.templating import apply_values, find_placeholders
 
-from flows import pipeline, serve
+from flows import deployed, serve
 from models import registry
 from tasks.train import launcher_command, read_hostfile
 from tests.conftest import PROJECT
+
+
+def test_deployments_run_the_pipeline_flows_by_name():
+    """A deployment's flow takes names and resolves them when it runs; under the same flow name as the pipeline's
+    own (deployments stay `paper-pipeline/<id>` and `suite/nightly`), with every name the resolver reads."""
+    from flows import pipeline
+
+    assert deployed.paper.name == pipeline.paper_pipeline.name == "paper-pipeline"
+    assert deployed.nightly.name == pipeline.suite.name == "suite"
+    assert list(inspect.signature(pipeline.paper_pipeline.fn).parameters) == ["request", "force"]
+    assert list(inspect.signature(pipeline.suite.fn).parameters) == ["requests", "force", "parallel"]
 
 
 def test_prefect_yaml_matches_the_flows():
@@ -24,8 +35,8 @@ def test_prefect_yaml_matches_the_flows():
     by_name = {d["name"]: d for d in config["deployments"]}
     for deployment in by_name.values():
         module, func = deployment["entrypoint"].split(":")
-        assert module == "flows/pipeline.py"
-        flow = getattr(pipeline, func)
+        assert module == "flows/deployed.py"  # the flows that take names and resolve them at run time
+        flow = getattr(deployed, func)
         assert set(deployment["parameters"]) <= set(inspect.signature(flow.fn).parameters)
         pool = deployment["work_pool"]
         if pool["name"] == "paperline-process":

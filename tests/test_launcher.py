@@ -125,12 +125,12 @@ def test_an_api_waits_while_another_boots_on_its_prefect_home(tmp_path):
 
 
 def test_a_suite_prestarts_the_paper_after_the_one_that_finished_training(monkeypatch):
-    from flows import pipeline
+    from flows import launch
 
     started = []
-    monkeypatch.setattr(pipeline.train, "prestart", lambda pid, params: started.append((pid, params.ranks)))
-    upcoming = pipeline._Upcoming([registry.request(pid, "test", None, settings.params_file())
-                                   for pid in ("sei", "ldka", "qubo_relax")])
+    monkeypatch.setattr(launch.train, "prestart", lambda pid, params: started.append((pid, params.ranks)))
+    upcoming = launch.Upcoming([registry.request(pid, "test", None, settings.params_file())
+                                for pid in ("sei", "ldka", "qubo_relax")])
     upcoming.start("sei")
     upcoming.prestart_next()  # sei trained: ldka is next
     upcoming.start("ldka")
@@ -140,10 +140,41 @@ def test_a_suite_prestarts_the_paper_after_the_one_that_finished_training(monkey
     assert started[0][1] == registry.resolve("ldka", "test", None, settings.params_file()).ranks
 
 
+def test_a_launcher_warms_up_what_trains_next_and_cancels_what_nothing_claimed(monkeypatch):
+    """After a replicate trains: the paper's next replicate, else the suite's next paper, else nothing; a timed
+    paper prestarts nothing after a training; leaving the run cancels the paper's waiting job; an evaluation runs
+    on the launcher's thread in the caller's context."""
+    import contextvars
+    import threading
+
+    from flows import launch
+
+    events = []
+    monkeypatch.setattr(launch.train, "prestart", lambda pid, params: events.append(("prestart", pid)))
+    monkeypatch.setattr(launch.train, "cancel_prestarted", lambda pid=None: events.append(("cancel", pid)))
+    sei, ldka = (registry.request(pid, "test", None, settings.params_file()) for pid in ("sei", "ldka"))
+    marker = contextvars.ContextVar("marker", default="unset")
+    marker.set("caller")
+    with launch.Launcher(sei, timed=False) as launcher:
+        launcher.trained(trains_later=True)
+        launcher.trained(trains_later=False)  # no suite: nothing comes next
+        token = launch.UPCOMING.set(launch.Upcoming([ldka]))
+        launcher.trained(trains_later=False)
+        launch.UPCOMING.reset(token)
+        seen = launcher.evaluate(lambda: (marker.get(), threading.current_thread().name)).result()
+    assert seen == ("caller", "evaluate-sei_0")
+    assert events == [("prestart", "sei"), ("prestart", "sei"), ("prestart", "ldka"), ("cancel", "sei")]
+    events.clear()
+    with launch.Launcher(sei, timed=True) as launcher:
+        launcher.trained(trains_later=True)
+    assert events == [("prestart", "sei"), ("cancel", "sei")]
+    assert launch.Launcher.stored(7).result() == 7
+
+
 def test_papers_side_by_side_train_on_cores_of_their_own(monkeypatch):
     """`--parallel 2` on 4 cores: two slots of 2; each paper's trainings see their slot's cores (threads per rank
     and the cores the ranks pin themselves to); more papers than cores share them all, as one paper does."""
-    from flows import pipeline
+    from flows import launch, pipeline
 
     monkeypatch.setattr(train.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     assert train.core_slots(2) == [(0, 1), (2, 3)] and train.core_slots(1) == [None]
@@ -151,13 +182,13 @@ def test_papers_side_by_side_train_on_cores_of_their_own(monkeypatch):
 
     seen = []
 
-    def pipeline_stub(paper, profile, overrides, force, request):
-        seen.append((paper, train.CORES.get(), train._threads_per_rank(1), train._cores()))
+    def pipeline_stub(request, force):
+        seen.append((request.paper, train.CORES.get(), train._threads_per_rank(1), train._cores()))
         return {}
 
     monkeypatch.setattr(pipeline, "paper_pipeline", pipeline_stub)
     requests = [registry.request(pid, "test", None, settings.params_file()) for pid in ("sei", "ldka")]
-    upcoming = pipeline._Upcoming(requests)
+    upcoming = launch.Upcoming(requests)
     pipeline._in_context(requests[0], False, upcoming)((2, 3))
     pipeline._in_context(requests[1], False, upcoming)()
     assert seen == [("sei", (2, 3), 2, (2, 3)), ("ldka", None, 4, (0, 1, 2, 3))]

@@ -136,10 +136,10 @@ def test_retrain_reason_names_the_changed_parts():
 
 @pytest.mark.e2e
 def test_two_nightly_suites_in_a_row(workspace, prefect_harness):
-    from flows.pipeline import suite
+    from flows.deployed import nightly
 
     papers = ["sei", "qubo_relax"]
-    first = suite(papers, "test")
+    first = nightly(papers, "test")
     assert [r.get("reused") for r in first] == [False, False]
     # started while sei evaluated (or by its own flow): either way the job it trained in was waiting for it
     client = tracking.client()
@@ -151,7 +151,7 @@ def test_two_nightly_suites_in_a_row(workspace, prefect_harness):
     params = yaml.safe_load((workspace / "params.yaml").read_text())
     params["papers"]["qubo_relax"]["test"]["starts"] = 12  # one paper's params change during the day
     (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    second = suite(papers, "test")
+    second = nightly(papers, "test")
     assert [r.get("reused") for r in second] == [True, False]
 
     report = next((workspace / "reports").glob("morning-*.md")).read_text()

@@ -50,10 +50,10 @@ def counted_training(monkeypatch):
 def test_more_replicates_train_only_the_missing_ones_a_claim_edit_trains_nothing_premises_only_is_blind(
         workspace, prefect_harness, monkeypatch, counted_training, tmp_path):
     """One workspace for the three, so the replicates train once (each DeepSpeed job costs seconds)."""
-    from flows.pipeline import paper_pipeline
+    from flows.deployed import paper as run_paper
 
     monkeypatch.setenv("PAPERLINE_QUIET_LOCK", str(tmp_path / "quiet"))
-    first = paper_pipeline(PAPER, "test")  # the test profile: one replicate
+    first = run_paper(PAPER, "test")  # the test profile: one replicate
     assert counted_training == [0] and first["trained"] == 1 and first["replicates"] == 1
     exp_id = tracking.client().get_run(first["run_id"]).info.experiment_id
     (child,) = _children(exp_id)
@@ -61,7 +61,7 @@ def test_more_replicates_train_only_the_missing_ones_a_claim_edit_trains_nothing
 
     # extend: exactly the two missing replicates train (seeds seed+1, seed+2), the claim is decided over three
     t0 = time.perf_counter()
-    extended = paper_pipeline(PAPER, "test", {"replicates": 3})
+    extended = run_paper(PAPER, "test", {"replicates": 3})
     extend_s = time.perf_counter() - t0
     assert counted_training == [0, 1, 2] and extended["trained"] == 2 and extended["replicates"] == 3
     assert "over 3 replicates" in extended["claim_numbers"]
@@ -80,7 +80,7 @@ def test_more_replicates_train_only_the_missing_ones_a_claim_edit_trains_nothing
     monkeypatch.setattr(registry, "get", lambda pid: edited if pid == PAPER else real_get(pid))
     monkeypatch.setattr(keys, "verdict_hash", lambda f: real_verdict_hash(f) + "-edited")
     t0 = time.perf_counter()
-    again = paper_pipeline(PAPER, "test", {"replicates": 3})
+    again = run_paper(PAPER, "test", {"replicates": 3})
     redecide_s = time.perf_counter() - t0
     assert counted_training == [0, 1, 2] and again["trained"] == 0 and not again["reused"]
     assert extended["verdict"] != "holds" and again["verdict"] == "holds" and "+ 1e+06" in again["claim_text"]

@@ -44,9 +44,9 @@ def test_pipeline_tracks_into_mlflow_server_on_postgres(workspace, monkeypatch, 
         assert out.returncode == 0, out.stdout + out.stderr
         uri = out.stdout.strip().split("=", 1)[1]
         monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-        from flows.pipeline import paper_pipeline
+        from flows.deployed import paper as run_paper
 
-        result = paper_pipeline("sei", "test")
+        result = run_paper("sei", "test")
         run = tracking.client().get_run(result["run_id"])
         assert run.info.status == "FINISHED" and "method/cnn_auroc" in run.data.metrics
         assert tracking.client().list_artifacts(result["run_id"], "plots")

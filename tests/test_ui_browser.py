@@ -68,7 +68,7 @@ def test_both_uis_as_a_person_sees_them(workspace, tmp_path):
     claim and the metric charts."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.pipeline import paper_pipeline
+    from flows.deployed import paper as run_paper
 
     chromium_binary()  # skip before starting anything when it is missing (not root)
     prefect_port, port = free_port(), free_port()
@@ -83,7 +83,7 @@ def test_both_uis_as_a_person_sees_them(workspace, tmp_path):
         ui_settings = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{prefect_port}/ui-settings").read())
         assert ui_settings["api_url"] == api  # the UI talks to this server, not to the default port 4200
         with temporary_settings({PREFECT_API_URL: api}):
-            result = paper_pipeline("sei", "test")
+            result = run_paper("sei", "test")
         exp_id = tracking.experiment_id("sei")
         assert tracking.client().get_experiment(exp_id).tags["mlflow.experimentKind"] == "custom_model_development"
 
