@@ -30,7 +30,9 @@ class Row:
     replicates: str = ""
     reason: str = ""
     forest: Path | None = None
-    commit: str = ""  # the git commit of the code the run used (`mlflow.source.git.commit`)
+    # the commit holding exactly the code the run used: `paperline.code_ref` (HEAD, or a snapshot of a dirty tree,
+    # pinned as the run opened), else `mlflow.source.git.commit`
+    commit: str = ""
     cpu_s: float | None = None  # mean CPU seconds a replicate (training ranks + evaluation), when measured
     overrides: str = ""  # the run's --set overrides (k=v,...), empty for the profile as params.yaml has it
 
@@ -64,7 +66,7 @@ def scoreboard(profile: str | None = "smoke", plots_dir: Path | None = None) -> 
                         t.get("paperline.data_hash", ""), run.info.run_id, t.get("paperline.profile", ""),
                         run.info.experiment_id, t.get("claim.replicates", ""), t.get("claim.reason", ""),
                         _forest(run.info.run_id, plots_dir / f"{pid}-forest.png"),
-                        commit=t.get("mlflow.source.git.commit", ""),
+                        commit=t.get("paperline.code_ref") or t.get("mlflow.source.git.commit", ""),
                         cpu_s=run.data.metrics.get("cpu/replicate_mean_s"),
                         overrides=t.get("paperline.overrides", "")))
     return rows
