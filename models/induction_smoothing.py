@@ -39,10 +39,10 @@ Deviations from the paper (choices the abstract left open):
   to p_{j-1} where an order-j context is unseen; lambdas on a 9-point grid per order.
 - Keys of the disentangled head are all positions 1..t; contexts reaching before the sequence hold BOS, which
   matches no symbol (the circuit's behaviour on early positions).
-- Smoke trains at the spec's model width 64 for 1,500 steps (the spec's smoke sketch: width 32, 1,000 steps, which
-  stops on the induction-head plateau, attention not yet organised by overlap): the profile is sized so that the
-  premise can be met within the smoke budget, past the plateau where the loss drops and the layer-2 heads start
-  weighting keys by overlap.
+- Smoke trains at the spec's model width 64 (the spec's smoke sketch: width 32, 1,000 steps, which stops on the
+  induction-head plateau, attention not yet organised by overlap) for as many steps as the smoke budget (120
+  CPU-s a replicate) allows, past the plateau where the loss drops and the layer-2 heads start weighting keys by
+  overlap; whether that is enough for the KL to settle is the premise kl_settled_in_last_half's question.
 - The report head is the head with the largest R^2 among those with beta_hat > 0 over every layer from 2 up (with
   more than two layers the induction head may form above layer 2); with none, the largest beta_hat.
 """
