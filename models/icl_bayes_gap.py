@@ -289,18 +289,21 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(),
                                  nn.Linear(2 * width, width))
 
-    def forward(self, h: torch.Tensor, ctx_mask: torch.Tensor) -> torch.Tensor:  # h (B, L+1, W), mask (B, L+1)
+    def forward(self, h: torch.Tensor, ctx_mask: torch.Tensor, query_only: bool = False) -> torch.Tensor:
+        """h (B, L+1, W), mask (B, L+1) -> (B, L+1, W); with `query_only` (the last block: only token 0 is read)
+        -> (B, 1, W), the same values for the query token without updating the context tokens nothing reads."""
         z = self.norm(h)
         v = self.v(z)  # (B, L+1, W)
+        rows = slice(0, 1) if query_only else slice(None)
         if self.arch == "uniform":  # fixed weight 1/n on every context token, no scores
             att = ctx_mask.float() / ctx_mask.sum(1, keepdim=True).clamp(min=1)  # (B, L+1)
-            mixed = torch.einsum("bl,blw->bw", att, v)[:, None].expand_as(v)  # (B, L+1, W): same for every token
+            mixed = torch.einsum("bl,blw->bw", att, v)[:, None].expand_as(v[:, rows])  # same for every token
         else:
             q, k = self.qk(z).chunk(2, -1)
-            scores = (q @ k.transpose(1, 2)) / q.shape[-1] ** 0.5  # (B, L+1, L+1)
+            scores = (q[:, rows] @ k.transpose(1, 2)) / q.shape[-1] ** 0.5  # (B, L+1 or 1, L+1)
             scores = scores.masked_fill(~ctx_mask[:, None, :], float("-inf"))
             mixed = torch.nan_to_num(scores.softmax(-1)) @ v  # no context (n = 0) -> zero update
-        h = h + self.o(mixed)
+        h = h[:, rows] + self.o(mixed)
         return h + self.mlp(h)
 
 
@@ -315,8 +318,8 @@ class ICLTransformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, ctx_mask: torch.Tensor) -> torch.Tensor:  # (B, L+1, d+2), (B, L+1)
         h = self.embed(tokens)
-        for block in self.blocks:
-            h = block(h, ctx_mask)
+        for i, block in enumerate(self.blocks):
+            h = block(h, ctx_mask, query_only=i == len(self.blocks) - 1)
         return self.head(h[:, 0])[:, 0]  # (B,)
 
 

@@ -25,9 +25,12 @@ What it implements (function names in brackets):
   at least half of the within-query variance of the head's log attention (the disentangled circuit's R^2 is 1, a
   head blind to overlap is near 0). Without it the KL comparisons test a model that has not reached the induction
   regime the paper is about, so it is a premise rather than a part; beta_hat > 0 stays a part.
-- premise training_converged: the training loss has plateaued (the engine's relative change over the last fifth of
-  the steps, under 1 %), the learning rate decayed (warm-up then cosine in smoke), so that "does not hold" does not
-  read as "not trained yet".
+- premise kl_settled_in_last_half: over the second half of training (one warm-up + cosine schedule over both
+  halves) each BOS model's KL to the true transitions on the held-out fitting sequences fell by less than the
+  claim's margin KL_TOL, so that "does not hold" does not read as "not trained yet" [heldout_kl]. It replaces a
+  premise on the training loss's plateau (relative change over the last fifth under 1 %): under a schedule that
+  decays to zero that change is near zero by construction, and it was met at seed 0 both at 1,500 steps and at
+  3,000, where the test KL of the method was far lower (run records, issue 40).
 
 Deviations from the paper (choices the abstract left open):
 - Training sequences are drawn on the fly in batch_fn (fresh chains, generator seeded by the step, the same
@@ -36,10 +39,10 @@ Deviations from the paper (choices the abstract left open):
   to p_{j-1} where an order-j context is unseen; lambdas on a 9-point grid per order.
 - Keys of the disentangled head are all positions 1..t; contexts reaching before the sequence hold BOS, which
   matches no symbol (the circuit's behaviour on early positions).
-- Smoke trains at the spec's model width 64 for 1,500 steps (the spec's smoke sketch: width 32, 1,000 steps, which
-  stops on the induction-head plateau, attention not yet organised by overlap): the profile is sized so that the
-  premise can be met within the smoke budget, past the plateau where the loss drops and the layer-2 heads start
-  weighting keys by overlap.
+- Smoke trains at the spec's model width 64 (the spec's smoke sketch: width 32, 1,000 steps, which stops on the
+  induction-head plateau, attention not yet organised by overlap) for as many steps as the smoke budget (120
+  CPU-s a replicate) allows, past the plateau where the loss drops and the layer-2 heads start weighting keys by
+  overlap; whether that is enough for the KL to settle is the premise kl_settled_in_last_half's question.
 - The report head is the head with the largest R^2 among those with beta_hat > 0 over every layer from 2 up (with
   more than two layers the induction head may form above layer 2); with none, the largest beta_hat.
 """
@@ -312,9 +315,28 @@ def train(ctx) -> None:
                   for m in MODELS}
         return sum(losses.values()), {f"ce_{m}": float(v.detach()) for m, v in losses.items()}
 
-    ctx.progress(f"phase markov: {len(MODELS)} attention-only transformers in lock-step, {p.steps} steps")
+    half = p.steps // 2
+    ctx.progress(f"phase markov: {len(MODELS)} attention-only transformers in lock-step, {p.steps} steps "
+                 f"(held-out KL read at step {half} and at the end)")
     engine = ctx.engine(model, p.lr, arms=model.nets, steps=p.steps, warmup=p.warmup, decay=p.decay)
-    ctx.fit("markov", engine, step_fn, batch_fn, p.steps, log_every=50)
+    ctx.fit("markov_half", engine, step_fn, batch_fn, half, log_every=50)  # one schedule over both phases
+    ctx.save_record("heldout_kl_half", heldout_kl(model, ctx.data_dir, p))
+    ctx.fit("markov", engine, step_fn, lambda s: batch_fn(half + s), p.steps - half, log_every=50)
+
+
+def heldout_kl(model: Trio, data_dir: Path, p: Params) -> dict[str, float]:
+    """Each BOS model's KL to the true transitions on the held-out fitting sequences of its own setting (no model
+    trains on them: training draws fresh chains), queries t_min..T-2; read half-way and at the end of training."""
+    out = {}
+    with torch.no_grad():
+        for setting in SETTINGS:
+            tokens, chains = load_split(data_dir, p, setting, "train")
+            c = in_context_counts(tokens, p.S, p.k, p.t_min)
+            true = chains[np.repeat(np.arange(len(tokens)), p.T - 1 - p.t_min), c["ctx"]]  # (Q, S)
+            t = torch.from_numpy(tokens)
+            logits = model(t, t)[f"bos_{setting}"][:, p.t_min : p.T - 1]  # (n, Q/n, S)
+            out[f"kl_{setting}"] = kl_ce(logits.softmax(-1).reshape(-1, p.S).double().numpy(), true, c["next"])[0]
+    return out
 
 
 # ---- evaluation ------------------------------------------------------------------------------------------------
@@ -403,6 +425,11 @@ def evaluate(ctx) -> dict[str, float]:
         out[f"detail/{setting}/best_count_kl"] = best
         curves[setting] = {name: _kl_by_matches(pred, true, c["matches"]) for name, pred in preds.items()}
     out["method/excess_kl_over_bayes_A"] = out["method/kl_A"] - out["baseline/bayes/kl_A"]
+    half, end = ctx.record("heldout_kl_half"), heldout_kl(model, ctx.data_dir, p)
+    for setting in SETTINGS:
+        out[f"detail/convergence/heldout_kl_{setting}_half"] = half[f"kl_{setting}"]
+        out[f"detail/convergence/heldout_kl_{setting}_end"] = end[f"kl_{setting}"]
+    out["detail/convergence/kl_drop_last_half"] = max(half[f"kl_{s_}"] - end[f"kl_{s_}"] for s_ in SETTINGS)
     tokens, _ = load_split(ctx.data_dir, p, "A", "test")
     with torch.no_grad():
         t = torch.from_numpy(tokens)
@@ -464,9 +491,9 @@ PAPER = Paper(
     primary=("method/kl_A", "min"),
     claim=Claim(premises=(  # the bar's reason is in the docstring
         Compare("method/attn_r2", ">=", 0.5, name="induction_heads_formed"),
-        # trained to convergence, not stopped mid-descent: the summed loss of the three models moved by under 1 %
-        # between the two halves of the last fifth of training (the engine's `train/<phase>/plateau`)
-        Compare("train/markov/plateau", "<", 0.01, name="training_converged"),
+        # trained to the claim's resolution, not stopped mid-descent: over the second half of training each BOS
+        # model's held-out KL fell by less than the claim's margin (the docstring says why not the loss plateau)
+        Compare("detail/convergence/kl_drop_last_half", "<", KL_TOL, name="kl_settled_in_last_half"),
     ), all_of=(
         Compare("method/kl_A", "<=", ("baseline/mle/kl_A", "baseline/add_beta/kl_A", "baseline/jm/kl_A"),
                 margin=KL_TOL),

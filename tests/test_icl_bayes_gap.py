@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from scipy.stats import multivariate_normal
 from sklearn.linear_model import Ridge
@@ -107,6 +108,30 @@ def test_uniform_attention_is_a_permutation_invariant_mean_over_the_context():
     assert torch.allclose(out, net(*m.make_tokens(x, y, 5, 9)), atol=1e-5)
     dup_x, dup_y = np.concatenate([x[:, :5], x[:, :5], x[:, 5:]], 1), np.concatenate([y[:, :5], y[:, :5], y[:, 5:]], 1)
     assert torch.allclose(out, net(*m.make_tokens(dup_x, dup_y, 10, 10)), atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", m.ARCHS)
+def test_last_block_on_the_query_only_matches_every_token_updated(arch):
+    """The last block updates only token 0 (the only one the head reads): same prediction and same gradients as
+    updating every token, for both architectures."""
+    torch.manual_seed(0)
+    net = m.ICLTransformer(3, 8, 2, arch)
+    rng = np.random.default_rng(6)
+    x, y = rng.standard_normal((4, 7, 3)), rng.standard_normal((4, 7))
+    tokens, mask = m.make_tokens(x, y, 5, 6)
+
+    def full(tokens, mask):
+        h = net.embed(tokens)
+        for block in net.blocks:
+            h = block(h, mask)
+        return net.head(h[:, 0])[:, 0]
+
+    out, ref = net(tokens, mask), full(tokens, mask)
+    assert out.shape == (4,) and torch.allclose(out, ref, atol=1e-6)
+    g = torch.autograd.grad(out.square().sum(), list(net.parameters()), allow_unused=True)
+    g_ref = torch.autograd.grad(ref.square().sum(), list(net.parameters()), allow_unused=True)
+    for a, b in zip(g, g_ref, strict=True):
+        assert (a is None and (b is None or not b.abs().any())) or torch.allclose(a, b, atol=1e-6)
 
 
 def test_plateau_rule_keeps_the_best_check_and_stops_after_patience_checks_without_a_real_improvement():

@@ -142,18 +142,34 @@ def test_report_head_searches_every_layer_from_two_up():
             2: m.attention_recovery(torch.stack([noise, planted], 1).softmax(-1), tokens, two_heads)}
     assert m.report_head(recs) == (2, 1) and recs[2]["head1/r2"] > 0.999
     assert max(recs[1][f"head{h}/r2"] for h in range(2)) < 0.5
-    assert [c.name for c in m.PAPER.claim.premises] == ["induction_heads_formed", "training_converged"]
+    assert [c.name for c in m.PAPER.claim.premises] == ["induction_heads_formed", "kl_settled_in_last_half"]
 
 
-def test_convergence_premise_reads_the_engines_plateau():
-    """The verdict waits on the loss having plateaued: the premise reads what fit logs, and a run still descending
-    (a plateau value of 2/3, the engine's own example) does not meet it while a flat one does."""
-    from tasks.context import loss_plateau
+def test_convergence_premise_reads_the_held_out_kl_drop_against_the_claims_margin():
+    """The verdict waits on the held-out KL having settled: a drop over the last half above the claim's margin
+    (still descending) fails the premise, a smaller one meets it; heldout_kl reads a perfect predictor as 0."""
+    (prem,) = [c for c in m.PAPER.claim.premises if c.name == "kl_settled_in_last_half"]
+    assert prem.left == "detail/convergence/kl_drop_last_half"
+    assert prem.difference({prem.left: 0.5 * m.KL_TOL})[0] < 0 < prem.difference({prem.left: 2 * m.KL_TOL})[0]
 
-    (prem,) = [c for c in m.PAPER.claim.premises if c.name == "training_converged"]
-    assert prem.left == "train/markov/plateau"
-    flat, falling = loss_plateau([1.0, 1.001, 0.999, 1.0]), loss_plateau([4.0, 2.0, 1.0, 1.0])
-    assert prem.difference({prem.left: flat})[0] < 0 < prem.difference({prem.left: falling})[0]
+
+
+def test_heldout_kl_reads_each_bos_model_on_its_own_settings_held_out_sequences(tmp_path):
+    """A model that predicts uniformly has, on each setting's fitting sequences, KL(true || uniform) = log S - H(true)
+    averaged over the queries: heldout_kl returns exactly that, per setting."""
+    p = _params(n_fit=6, n_test=4, width=8, heads=2)
+    m.prepare(p, tmp_path)
+    model = m.Trio(p)
+    with torch.no_grad():
+        for net in model.nets.values():
+            net.unembed[1].weight.zero_(), net.unembed[1].bias.zero_()
+    got = m.heldout_kl(model, tmp_path, p)
+    for setting in m.SETTINGS:
+        tokens, chains = m.load_split(tmp_path, p, setting, "train")
+        c = m.in_context_counts(tokens, p.S, p.k, p.t_min)
+        true = chains[np.repeat(np.arange(len(tokens)), p.T - 1 - p.t_min), c["ctx"]]
+        want = float((np.log(p.S) + (true * np.log(np.maximum(true, 1e-300))).sum(-1)).mean())
+        assert np.isclose(got[f"kl_{setting}"], want, rtol=1e-6)
 
 
 def test_setting_b_rows_are_dirichlet_draws_as_numpy_samples_them():
