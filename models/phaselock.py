@@ -66,14 +66,15 @@ from torch import nn
 from models.common import sequences as seq
 from models.common.diffusion import ddpm_scheduler, frechet_distance
 from models.common.tables import read_table, write_table
-from models.contract import Claim, Compare, Paper, PaperParams
+from models.common.threads import torch_threads
+from models.contract import Claim, Compare, Paper, ScheduledParams
 
 TRAIN_STEPS = 1000  # DDPM timesteps of the cosine schedule
 CENTROID_LEVEL = 0.5  # intensity (0-1) above which a pixel weighs in the tracked centroid
 PC_FLOOR = 10.0  # premise: the 50-step run's PC (0-100) at least this, so PC can register a change
 
 
-class Params(PaperParams):
+class Params(ScheduledParams):
     n_videos: int = Field(1500, ge=8, description="Videos rendered by prepare.")
     n_frames: int = Field(8, ge=3, description="Frames per video.")
     size: int = Field(16, ge=8, description="Frame side in pixels (a multiple of 4).")
@@ -88,7 +89,11 @@ class Params(PaperParams):
     ae_dim: int = Field(32, ge=2, description="Frame autoencoder feature size (fidelity features).")
     steps: int = Field(300, ge=1, description="Training steps (I2V model and autoencoder in lock-step).")
     batch_size: int = Field(16, ge=2, description="Videos per step.")
-    lr: float = Field(2e-3, gt=0, description="AdamW learning rate.")
+    lr: float = Field(2e-3, gt=0, description="AdamW learning rate (peak, with `warmup` / `decay`).")
+    ema: float | None = Field(None, ge=0, le=1, description="EMA decay of the I2V weights; evaluation samples "
+                              "with the EMA copy (None: the last weights).")
+    train_threads: int = Field(1, ge=1, description="Torch intra-op threads while training: a batch of 16 small "
+                               "videos costs more in thread hand-offs than it gains (counted in CPU seconds).")
     prior_steps: int = Field(2, ge=1, description="DDIM steps of the motion prior (and of the 2-step arm).")
     full_steps: int = Field(50, ge=2, description="DDIM steps of the many-step run.")
     sweep_steps: list[int] = Field([], description="Extra step counts S for the PS/MS and PC sweep (detail).")
@@ -286,7 +291,10 @@ def train(ctx) -> None:
         return sum(losses.values()), {k: float(v.detach()) for k, v in losses.items()}
 
     ctx.progress(f"I2V U-Net and frame autoencoder in lock-step, {p.steps} steps")
-    ctx.fit("i2v", ctx.engine(model, p.lr, arms={"unet": model.unet, "ae": model.ae}), step_fn, batch_fn, p.steps)
+    engine = ctx.engine(model, p.lr, arms={"unet": model.unet, "ae": model.ae}, steps=p.steps, warmup=p.warmup,
+                        decay=p.decay, ema=p.ema)
+    with torch_threads(p.train_threads):
+        ctx.fit("i2v", engine, step_fn, batch_fn, p.steps)
 
 
 # ---- sampling and guidance -------------------------------------------------------------------------------------
@@ -372,7 +380,8 @@ def phaselock_hook(prior: torch.Tensor, num_steps: int, fraction: float, sigma: 
 
 def soft_centroids(x: torch.Tensor) -> torch.Tensor:
     """(B, T, 1, S, S) in [-1, 1] -> (B, T, 2) intensity-weighted centroids (x, y); weights = intensity above
-    `CENTROID_LEVEL` on the [0, 1] scale (differentiable almost everywhere); an empty frame gives the frame centre.
+    `CENTROID_LEVEL` on the [0, 1] scale (differentiable almost everywhere); a frame with no pixel above it gives
+    (0, 0), so a video whose ball vanishes counts as far off.
     The level sits between the ball (stripes 0.7-1) and faint background haze, which would pull the centroid to the
     frame centre, and above the trail (0.35)."""
     w = ((x[:, :, 0] + 1) / 2 - CENTROID_LEVEL).clamp(min=0)  # (B, T, S, S)
@@ -450,7 +459,7 @@ def evaluate(ctx) -> dict[str, float]:
 
     p: Params = ctx.params
     d = load_videos(ctx.data_dir, p)
-    model = ctx.network("i2v")
+    model = ctx.network("i2v", ema=p.ema is not None)  # the autoencoder's EMA too: it only gives features
     ids = torch.nonzero(d["test"]).flatten()[: p.n_eval]
     gt, traj = d["x"][ids], d["traj"][ids]
     cond = gt[:, 0]

@@ -206,6 +206,19 @@ def test_centroid_tracker_ignores_background_haze():
     assert torch.allclose(c, torch.tensor([5.0, 9.0]), atol=0.3)
 
 
+def test_a_vanished_ball_fails_physical_consistency():
+    # a generated video whose ball fades below the tracker's level in one frame: that frame's centroid is (0, 0),
+    # so the video counts as unphysical instead of being tracked to wherever the haze sits
+    traj = torch.tensor([[[8.0, 4.0 + f] for f in range(4)]])
+    x = torch.stack([torch.from_numpy(pl.render_ball(16, 8.0, 4.0 + f, 1.8, 0.0, 0.0)).float() for f in range(4)])
+    x[2] *= 0.4  # the ball at 0.4 intensity: under CENTROID_LEVEL
+    x = (x * 2 - 1).view(1, 4, 1, 16, 16)
+    assert torch.equal(pl.soft_centroids(x)[0, 2], torch.zeros(2))
+    pc, rmse = pl.physical_consistency(x, traj, 1.5)
+    assert pc == 0 and rmse[0] > 1.5
+    pc_whole, _ = pl.physical_consistency(x[:, [0, 1, 3]], traj[:, [0, 1, 3]], 1.5)
+    assert pc_whole == 100
+
 def test_counted_flops_per_video_are_the_batchs_over_its_size():
     """evaluate counts each arm's FLOPs on one video: every arm's count is linear in the batch, so the cost ratios
     are those of the whole batch."""
