@@ -463,13 +463,14 @@ PAPER = Paper(
     evaluate=evaluate,
     primary=("method/final_acc", "max"),
     claim=Claim(premises=(
-        # each pretrained agent of the heterogeneous team answers unseen test questions above chance (0.1) ...
-        *(Compare(f"baseline/vanilla_mad/round1_acc_agent{i}", ">", 0.1, margin=0.05, name=f"agent{i}_above_chance")
+        # each pretrained agent of the heterogeneous team reproduces most of its own view of the test questions:
+        # the heterogeneous knowledge debate is to combine exists
+        *(Compare(f"baseline/vanilla_mad/round1_view_agent{i}", ">=", 0.8, name=f"agent{i}_reproduces_view")
           for i in range(3)),
-        # ... and RL on the `rl` split changes that skill on the test split (not only whom an agent defers to)
-        Compare("method/round1_acc", ">", "baseline/vanilla_mad/round1_acc", name="rl_changes_round1"),
     ), all_of=(
         Compare("method/final_acc", ">", ("baseline/marl_correctness/final_acc", "baseline/vanilla_mad/final_acc")),
         Compare("method/au_late", "<", "baseline/marl_correctness/au_late"),
+    ), context=(  # a diagnostic: with memorised views RL changes whom an agent trusts, not necessarily what it knows
+        Compare("method/round1_acc", ">", "baseline/vanilla_mad/round1_acc", name="rl_changes_round1"),
     ), summary="uncertainty-guided MARL beats correctness-only MARL and vanilla MAD at lower aleatoric cost"),
 )
