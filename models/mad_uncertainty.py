@@ -21,11 +21,14 @@ What it implements (function names in brackets):
 Deviations from the paper (choices the abstract left open; the spec's choices are not repeated):
 - '-' questions carry 20% label noise for every agent type (the spec names only '+' and 'x'); a corrupted label is a
   uniformly drawn wrong digit. For three operands a question's noise rate is the largest of its operators'.
-- Splits: pretraining views cover the `rl` split only, so test questions are unseen by every phase; an agent's
-  round-1 test accuracy is its generalised skill, which RL on the `rl` split can change. (Covering every question,
-  as the spec's data section says, memorises the test answers and leaves RL only deference to learn;
-  `pretrain_test` restores it.) Premises: every agent above chance on the test split, and RL changing round-1
-  accuracy.
+- Splits as the spec has them: pretraining views cover every question (each agent memorises its own corrupted
+  view, so test questions carry the knowledge debate is meant to combine), RL rewards read true answers of the `rl`
+  split only, evaluation debates the `test` split. (Pretraining on the `rl` split only asked 2-layer character
+  models to generalise a mod-10 table to unseen questions, which the spec says they cannot: their round-1 test
+  accuracy sat at chance while they reproduced their `rl` views; `pretrain_test=False` restores that split.)
+  Premises: each pretrained agent of the heterogeneous team reproduces its own view on the test questions
+  (round-1 agreement >= 0.8, "most of it"), so the heterogeneous knowledge exists. Whether RL changes round-1
+  accuracy is context: with memorised views RL can change whom an agent trusts, not what it knows.
 - Pretraining inputs use the round-1 form half of the time and the debate form with uniformly random peer answers
   the other half, so the debate form is in-distribution; the label is the agent's own view, so pretrained agents
   learn to ignore peers (nothing in the supervised data says whom to trust: that is what debate RL has to learn).
@@ -81,8 +84,8 @@ class Params(PaperParams):
     kl_weight: float = Field(0.05, ge=0, description="Weight of KL(p_i || p_pretrained) at visited inputs.")
     alpha: float = Field(0.1, ge=0, description="Aleatoric cost weight (own entropy at rounds >= 2).")
     beta: float = Field(0.5, ge=0, description="Epistemic utilisation weight ((EU_1 - EU_R) x majority correct).")
-    pretrain_test: bool = Field(False, description="Pretraining views also cover the test split (test answers "
-                                "memorised, so RL can only change deference); default: the `rl` split only.")
+    pretrain_test: bool = Field(True, description="Pretraining views cover the test split too (the spec: each agent "
+                                "memorises its own view of every question); False: the `rl` split only.")
     n_seeds: int = Field(1, ge=1, description="Independent seeds (agents, pretraining, MARL), trained side by side "
                          "in lock-step on batches of the same shapes; metrics are means (replicas: `paperline plan` "
                          "traces one and scales).", json_schema_extra={"replicas": True})
@@ -356,7 +359,10 @@ def train(ctx) -> None:
 
 
 # ---- evaluation: every team and arm debates the test split ------------------------------------------------
-def team_metrics(out: dict[str, torch.Tensor], truth: torch.Tensor) -> dict[str, float]:
+def team_metrics(out: dict[str, torch.Tensor], truth: torch.Tensor,
+                 views: torch.Tensor | None = None) -> dict[str, float]:
+    """Accuracies, uncertainty terms and productivity of one team's debates; `views` (Q, N): each agent's own
+    pretraining label, for round-1 agreement with it (`round1_view_agent<i>`)."""
     ans, probs = out["answers"], out["probs"]  # (Q, N, R), (Q, N, R, 10)
     correct = (ans == truth[:, None, None]).float()  # (Q, N, R)
     unc = decompose(probs.transpose(1, 2))  # each (Q, R)
@@ -368,6 +374,8 @@ def team_metrics(out: dict[str, torch.Tensor], truth: torch.Tensor) -> dict[str,
          "productivity": float(((first == 0) & (last == 1)).float().mean()
                                - ((first == 1) & (last == 0)).float().mean()),
          "au_late": float(unc["au"][:, 1:].mean()), "debate_gain": float(last.mean() - first.mean())}
+    if views is not None:
+        m |= {f"round1_view_agent{i}": float((ans[:, i, 0] == views[:, i]).float().mean()) for i in range(ans.shape[1])}
     for r in range(ans.shape[2]):
         m[f"eu_r{r + 1}"], m[f"au_r{r + 1}"] = float(unc["eu"][:, r].mean()), float(unc["au"][:, r].mean())
     ent, ok = entropy(probs).reshape(-1).numpy(), correct.reshape(-1).numpy()
@@ -388,9 +396,11 @@ def evaluate(ctx) -> dict[str, float]:
         teams = {"homogeneous": [pretrained[f"s{s}_{a}"] for a in TEAMS["homogeneous"]],
                  "vanilla_mad": [pretrained[f"s{s}_{a}"] for a in TEAMS["heterogeneous"]],
                  **{f"marl_{arm}": [arms[f"{arm}_s{s}_{a}"] for a in TEAMS["heterogeneous"]] for arm in ARMS}}
+        types = {n: TEAMS["homogeneous" if n == "homogeneous" else "heterogeneous"] for n in teams}
         for name, agents in teams.items():  # train mode on purpose (no dropout): eval mode's CPU fast path is slow
             out = debate(agents, texts, p.rounds, length, greedy=True)
-            configs.setdefault(name, []).append(team_metrics(out, truth))
+            views = torch.stack([d["labels"][a[0]][test] for a in types[name]], 1)  # (Q, N): each agent's own view
+            configs.setdefault(name, []).append(team_metrics(out, truth, views))
             outs.setdefault(name, out)
     mean = {name: {k: float(np.mean([m[k] for m in ms])) for k in ms[0]} for name, ms in configs.items()}
     ug, co, van = mean["marl_ug"], mean["marl_co"], mean["vanilla_mad"]
@@ -453,13 +463,14 @@ PAPER = Paper(
     evaluate=evaluate,
     primary=("method/final_acc", "max"),
     claim=Claim(premises=(
-        # each pretrained agent of the heterogeneous team answers unseen test questions above chance (0.1) ...
-        *(Compare(f"baseline/vanilla_mad/round1_acc_agent{i}", ">", 0.1, margin=0.05, name=f"agent{i}_above_chance")
+        # each pretrained agent of the heterogeneous team reproduces most of its own view of the test questions:
+        # the heterogeneous knowledge debate is to combine exists
+        *(Compare(f"baseline/vanilla_mad/round1_view_agent{i}", ">=", 0.8, name=f"agent{i}_reproduces_view")
           for i in range(3)),
-        # ... and RL on the `rl` split changes that skill on the test split (not only whom an agent defers to)
-        Compare("method/round1_acc", ">", "baseline/vanilla_mad/round1_acc", name="rl_changes_round1"),
     ), all_of=(
         Compare("method/final_acc", ">", ("baseline/marl_correctness/final_acc", "baseline/vanilla_mad/final_acc")),
         Compare("method/au_late", "<", "baseline/marl_correctness/au_late"),
+    ), context=(  # a diagnostic: with memorised views RL changes whom an agent trusts, not necessarily what it knows
+        Compare("method/round1_acc", ">", "baseline/vanilla_mad/round1_acc", name="rl_changes_round1"),
     ), summary="uncertainty-guided MARL beats correctness-only MARL and vanilla MAD at lower aleatoric cost"),
 )

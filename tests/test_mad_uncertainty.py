@@ -139,7 +139,18 @@ def test_gsm8k_jsonl_loader_on_a_three_line_fixture(tmp_path):
     assert [a for _, a, _ in mad._questions(p)] == [7, 0, 2]  # the target is the answer's last digit
 
 
-def test_pretraining_never_sees_a_test_question_by_default():
+def test_pretraining_covers_every_question_by_default_as_the_spec_says():
+    assert mad.Params().pretrain_test  # each agent memorises its own view of every question
     split = np.array(["rl", "test", "rl", "test", "rl"])
     assert mad.pretrain_pool(split, with_test=False).tolist() == [0, 2, 4]
     assert mad.pretrain_pool(split, with_test=True).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_round1_view_agreement_counts_each_agents_own_view():
+    # 2 questions, 3 agents, 2 rounds: agent 0 reproduces both views, agent 1 one, agent 2 none (round 2 ignored)
+    answers = torch.tensor([[[3, 0], [5, 0], [7, 0]], [[4, 0], [6, 0], [8, 0]]])
+    probs = torch.nn.functional.one_hot(answers, 10).float()
+    views = torch.tensor([[3, 5, 1], [4, 1, 1]])
+    m = mad.team_metrics({"answers": answers, "probs": probs}, torch.tensor([3, 4]), views)
+    assert (m["round1_view_agent0"], m["round1_view_agent1"], m["round1_view_agent2"]) == (1.0, 0.5, 0.0)
+    assert m["round1_acc_agent0"] == 1.0 and m["round1_acc_agent2"] == 0.0
