@@ -113,6 +113,10 @@ class Params(PaperParams):
                              json_schema_extra={"passes": True})
     batch_size: int = Field(32, ge=2)
     lr: float = Field(3e-3, gt=0)
+    step_decay: Literal["constant", "cosine"] = Field("constant", description="Learning-rate schedule of each "
+                                                      "incremental step (a fresh AdamW per step): constant, or "
+                                                      "cosine decay to 0 over the step.")
+    step_warmup: int = Field(0, ge=0, description="Linear warm-up steps at the start of each incremental step.")
     width: int = Field(8, ge=2, description="U-Net base width.")
     arch: Literal["unet", "deeplabv3"] = Field("unet", description="The segmenter: the small U-Net, or DeepLabv3 "
                                               "(ResNet backbone at output stride 16 + ASPP) as in the paper (full).")
@@ -503,8 +507,9 @@ def train(ctx) -> None:
             epochs = p.base_epochs if t == 0 else p.epochs
             ctx.progress(f"{proto} step {t}: classes {current}, {len(model.nets)} networks, "
                          f"{epochs} epochs x {per_epoch} steps")
-            ctx.fit(f"{proto}_step{t}", ctx.engine(model, p.lr, arms=model.nets), step_fn, batch_fn, epochs * per_epoch,
-                    state=competition)
+            schedule = {"steps": epochs * per_epoch, "warmup": p.step_warmup, "decay": p.step_decay} if t else {}
+            ctx.fit(f"{proto}_step{t}", ctx.engine(model, p.lr, arms=model.nets, **schedule), step_fn, batch_fn,
+                    epochs * per_epoch, state=competition)
 
 
 def _copy(net: nn.Module, p: Params) -> nn.Module:
@@ -517,7 +522,7 @@ def _step_fn(ctx, p: Params, t: int, seen: int, n_old: int, per_epoch: int, old_
              names: dict):
 
     def step_fn(engine, b, step):
-        total, metrics = 0.0, {}
+        total, metrics, old_out = 0.0, {}, {}
         alpha = min(step // per_epoch / max(p.epochs - 1, 1), 1.0)  # PML: 0 -> 1 over the step's epochs
         for name, net in engine.module.nets.items():
             seed = int(name.rsplit("s", 1)[1])
@@ -535,8 +540,11 @@ def _step_fn(ctx, p: Params, t: int, seen: int, n_old: int, per_epoch: int, old_
             pml, skd, mad, distil = ARMS[arm]
             if arm == "joint":
                 y = b["y_full"][rows]
-            with torch.no_grad():
-                old_logits = old_nets[name](x)[0]
+            key = (id(old_nets[name]), seed)  # at step 1 every candidate of a seed shares its first-step model
+            if key not in old_out:
+                with torch.no_grad():
+                    old_out[key] = old_nets[name](x)[0]
+            old_logits = old_out[key]
             if distil:  # PLOP pseudo-labels: background pixels the old model confidently calls an old class
                 conf, guess = old_logits[:, :n_old].softmax(1).max(1)
                 y = torch.where((y == 0) & (guess > 0) & (conf > p.pseudo_threshold), guess, y)

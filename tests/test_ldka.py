@@ -241,3 +241,31 @@ def test_prepare_writes_disjoint_validation_split(tmp_path):
     m.prepare(m.Params(n_train=10, n_val=4, n_test=3), tmp_path)
     pools = read_table(tmp_path / "images.parquet")["pool"]
     assert [(pools == k).sum() for k in ("train", "val", "test")] == [10, 4, 3]
+
+
+def test_step_losses_equal_with_a_shared_first_step_model():
+    """At step 1 every candidate of a seed distils from the same first-step model, whose forward is computed once:
+    the loss of every network equals its loss with an old model of its own (a copy of the same weights)."""
+    import types
+
+    from models.common.lockstep import LockStep
+
+    p = m.Params(n_seeds=2, width=4, arms=["base", "ldka"], grid={"lambda_kd": [1, 5], "lambda_skd": [0, 10]})
+    names = m.net_names(p)
+    torch.manual_seed(0)
+    first = {s: m.UNet(4, 8).eval().requires_grad_(False) for s in range(2)}
+    nets = {name: m.UNet(4, 8) for name in names}
+    b = {"x": torch.rand(8, 3, 16, 16), "y": torch.randint(0, 7, (8, 16, 16)), "who": torch.arange(8) % 2}
+    b["y_full"] = b["y"]
+    ctx = types.SimpleNamespace(all_reduce_sum=lambda t: t)
+    out = {}
+    for shared in (True, False):
+        old = {n: first[s] if shared else m._copy(first[s], p).eval().requires_grad_(False)
+               for n, (_, _, s) in names.items()}
+        comp = {n: torch.full((7, 7), float("nan")) for n in names}
+        torch.manual_seed(1)  # the SKD feature noise
+        step_fn = m._step_fn(ctx, p, 1, 7, 5, 4, old, comp, names)
+        out[shared] = step_fn(types.SimpleNamespace(module=LockStep(nets)), b, 0)[1]
+    assert out[True].keys() == out[False].keys() and len(out[True]) > len(names)
+    for k in out[True]:
+        assert out[True][k] == pytest.approx(out[False][k], rel=1e-6, abs=1e-7), k
