@@ -58,6 +58,9 @@ Deviations from the paper (choices the abstract left open):
   backbone from a local torchvision checkpoint [load_backbone] (nothing downloads); BatchNorm as in the paper.
 - The head's hidden activation is GELU (C^2, so the curvature is defined; with ReLU, finite differences across kinks
   scale as eps^-2).
+- Each incremental step starts a fresh AdamW; `step_decay` / `step_warmup` give it a schedule (smoke: one-epoch
+  warm-up, then cosine decay to 0 over the step, as CISS pipelines such as MiB and PLOP decay the rate within
+  every step); the first step keeps a constant rate.
 - BatchNorm in the U-Net blocks (GroupNorm(1) sat at "all background" for ~100 steps) and a longer first step
   (`base_epochs`) so that the base classes are learnt before the incremental steps begin.
 """
