@@ -42,6 +42,10 @@ Deviations from the paper (choices the abstract left open):
 - The method falls back to a synchronous retrieval with its query generator at a high-entropy point when nothing is
   in flight (so a missed prediction costs FLARE's stall, not quality). FLARE-style active RAG starts, as FLARE does,
   with a retrieval on the question (the same top-k as single-shot) and queries with question + partial sentence.
+- Real compute that the spec gives a declared cost is off the clock: a MiniLM encode on a cache miss runs while
+  the request's clock stands still (ServeClock; retrievals in flight wait on the same clock), so every text
+  embedding costs exactly `embed_ms` whatever the machine. One untimed warm-up request per arm precedes the timed
+  repeats (torch's first calls are slow). The generator and heads run with `torch_threads` intra-op threads.
 - Real datasets (full profile) keep their own vocabulary (closed over the loaded text) and skip the renaming.
 """
 
@@ -49,8 +53,10 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -64,7 +70,7 @@ from torch import nn
 from models.common.lm import TinyLM, WordVocab
 from models.common.plots import roc_curves
 from models.common.tables import read_table, write_table
-from models.contract import Claim, Compare, Paper, PaperParams
+from models.contract import Claim, Compare, Paper, ScheduledParams
 from models.inputs import input_path
 
 SPECIAL = ("<q>", "</q>", "<a>", "</a>", "<doc>", "</doc>")
@@ -84,7 +90,7 @@ SUFFIX = {"person": "", "city": "burg", "country": "ia", "company": "corp", "pro
 SYLLABLES = "ka lo mi re zan tor vel bri nu sa de fi go ha ju ly pe qua ros ti wen xo yar".split()
 
 
-class Params(PaperParams):
+class Params(ScheduledParams):
     dataset: Literal["synthetic", "hotpotqa", "2wiki", "musique"] = Field("synthetic", description="QA source.")
     dataset_path: str = Field("", description="Real data: HotpotQA/2Wiki JSON list or MuSiQue JSONL file.")
     passages_path: str = Field("", description="Optional JSONL of extra passages {id, text} for the retrieval corpus.")
@@ -120,6 +126,8 @@ class Params(PaperParams):
     retrieval_jitter: float = Field(0.25, ge=0, description="Lognormal sigma of L_r draws.")
     retrieval_sweep: list[float] = Field([], description="Extra L_r values evaluated (detail metrics only, one "
                                          "repeat each).")
+    arms: list[Literal[ARMS]] = Field(list(ARMS), min_length=1, description="Arms served (method, sync_active, "
+                                      "sync_single, heuristic_async and gold_docs are read by the claim).")
     repeats: int = Field(5, ge=5, description="Wall-clock repeats of the whole test set (the timed parts' k samples).")
     time_scale: float = Field(1.0, gt=0, description="Every simulated cost below is slept for this fraction of its "
                               "ms (smoke scales them down to fit the budget; real compute is never scaled).")
@@ -128,6 +136,9 @@ class Params(PaperParams):
     embed_ms: float = Field(4.0, ge=0, description="Cost per text embedding on every path that embeds: sync "
                             "queries, heuristic windows, the context monitor (a sleep, ms).")
     head_ms: float = Field(0.1, ge=0, description="Cost per predictor / query-generator call.")
+    torch_threads: int = Field(1, ge=1, description="Intra-op threads of training and serving: a 100k-parameter "
+                               "model's ops are too small to split, and spare threads spin between the sleeps "
+                               "(CPU burnt, latency that depends on the machine's load).")
 
 
 # ---- data ----------------------------------------------------------------------------------------------------
@@ -353,6 +364,7 @@ def traces(lm: TinyLM, items: list[dict], a_id: int, p: Params) -> dict[str, tor
 # ---- training --------------------------------------------------------------------------------------------------
 def train(ctx) -> None:
     p: Params = ctx.params
+    torch.set_num_threads(p.torch_threads)
     d = _load(ctx.data_dir)
     vocab, items = d["vocab"], [it for it in d["items"] if it["split"] == "train"]
     a_id = vocab.stoi["<a>"]
@@ -377,7 +389,8 @@ def train(ctx) -> None:
         return (nll * mask).sum() / mask.sum().clamp(min=1), {}
 
     ctx.progress(f"generator: {sum(x.numel() for x in lm.parameters())} parameters, vocab {len(vocab)}")
-    ctx.fit("generator", ctx.engine(lm, p.lr), lm_step, lm_batch, p.lm_steps)
+    engine = ctx.engine(lm, p.lr, steps=p.lm_steps, warmup=p.warmup, decay=p.decay)  # schedule: the generator only
+    ctx.fit("generator", engine, lm_step, lm_batch, p.lm_steps)
     lm.eval()
     tr = traces(lm, items, a_id, p)
     target = torch.from_numpy(d["emb"])[tr["need"].clamp(min=0)]  # (N, 384) gold passage needed next
@@ -400,6 +413,36 @@ def train(ctx) -> None:
 
 
 # ---- serving on a wall clock: the method and every baseline arm ---------------------------------------------------
+class ServeClock:
+    """One request's clock: the wall clock with MiniLM's own compute cut out. An embedding's declared cost is
+    `embed_ms` (charged by the caller); a cache miss computes the embedding for real while the clock stands still,
+    and retrievals in flight wait on this clock, so the real encode neither adds latency nor lets a retrieval
+    progress for free."""
+
+    def __init__(self):
+        self._lock, self._held, self._frozen_at = threading.Lock(), 0.0, None
+
+    def now(self) -> float:  # seconds
+        with self._lock:
+            t = time.perf_counter() if self._frozen_at is None else self._frozen_at
+            return t - self._held
+
+    @contextmanager
+    def stopped(self):
+        with self._lock:
+            self._frozen_at = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held += time.perf_counter() - self._frozen_at
+                self._frozen_at = None
+
+    def sleep_until(self, deadline: float) -> None:
+        while (left := deadline - self.now()) > 0:
+            time.sleep(left)
+
+
 class Server:
     """Decodes one request per arm, greedily, on the wall clock: real LM and head forward passes, retrievals in a
     thread pool, and the spec's costs as sleeps scaled by `time_scale` (a decoded token `decode_ms`, a prefilled
@@ -412,6 +455,8 @@ class Server:
         self.p, self.d, self.lm, self.heads, self.l_r = p, d, lm, heads, retrieval_ms
         self.emb = torch.from_numpy(d["emb"])  # (F, 384)
         self.encode, self._cache = encoder(p), {}
+        self.clock = ServeClock()  # replaced at every request
+        self.encoder_s = 0.0  # MiniLM compute cut out of the clocks (a diagnostic)
         self.pool = ThreadPoolExecutor(max_workers=workers)
         v = d["vocab"]
         self.stop, self.dot = v.stoi["</a>"], v.stoi.get(".", -1)
@@ -424,7 +469,10 @@ class Server:
         """MiniLM embedding of one text; the compute is cached across arms and repeats, its cost `embed_ms` is
         charged by the caller on every call."""
         if text not in self._cache:
-            self._cache[text] = torch.from_numpy(self.encode([text])[0])
+            with self.clock.stopped():  # real compute, not the spec's cost: off the request's clock
+                t = time.perf_counter()
+                self._cache[text] = torch.from_numpy(self.encode([text])[0])
+                self.encoder_s += time.perf_counter() - t
         return self._cache[text]  # (384,)
 
     def search_top(self, vec: torch.Tensor, k: int, exclude: set[int] = frozenset()) -> list[int]:
@@ -432,13 +480,14 @@ class Server:
         order = torch.argsort(self.emb @ vec, descending=True, stable=True).tolist()
         return [f for f in order if f not in exclude][:k]
 
-    def _retrieve(self, vec: torch.Tensor, k: int, exclude: set[int], sleep_s: float) -> list[int]:
-        time.sleep(sleep_s)  # the network latency L_r (scaled), then the real search
+    def _retrieve(self, vec: torch.Tensor, k: int, exclude: set[int], clock: ServeClock, done_at: float) -> list[int]:
+        clock.sleep_until(done_at)  # the network latency L_r (scaled) on the request's clock, then the real search
         return self.search_top(vec, k, exclude)
 
     def serve(self, arm: str, item: dict, q_index: int, repeat: int = 0) -> dict:
         p, d, itos, scale = self.p, self.d, self.d["vocab"].itos, self.p.time_scale / 1000.0  # ms -> s
         rng = np.random.default_rng([p.seed, q_index, repeat])  # the n-th retrieval of every arm: the same draw
+        clock = self.clock = ServeClock()
         st = {"debt": 0.0, "stall": 0.0, "retrievals": 0, "ctx": list(item["q"]), "in_ctx": set(), "cache": [],
               "embeds": 0}
         pending: list[Future] = []  # retrievals in flight, in launch order
@@ -460,7 +509,7 @@ class Server:
             st["retrievals"] += 1
             pay()  # the query is ready only once its embedding is paid for
             sleep_s = self.l_r * float(rng.lognormal(0.0, p.retrieval_jitter)) * scale
-            return self.pool.submit(self._retrieve, vec, k, set(st["in_ctx"]), sleep_s)
+            return self.pool.submit(self._retrieve, vec, k, set(st["in_ctx"]), clock, clock.now() + sleep_s)
 
         def insert(fids: list[int]) -> None:
             for f in fids:
@@ -473,12 +522,12 @@ class Server:
 
         def wait_for(fut: Future) -> None:  # a blocking (synchronous) retrieval or a stall
             pay()
-            t = time.perf_counter()
+            t = clock.now()
             fids = fut.result()
-            st["stall"] += (time.perf_counter() - t) * 1000.0
+            st["stall"] += (clock.now() - t) * 1000.0
             insert(fids)
 
-        start = time.perf_counter()
+        start = clock.now()
         question = item["question"]
         if arm == "gold_docs":  # the premise arm: the gold passages in the context before answering
             insert(item["gold"])
@@ -520,7 +569,7 @@ class Server:
             tok = int(logits.index_fill(0, self.banned, -torch.inf).argmax())
             charge(p.decode_ms)
             pay()
-            ttft = (time.perf_counter() - start) * 1000.0 if ttft is None else ttft
+            ttft = (clock.now() - start) * 1000.0 if ttft is None else ttft
             if tok == self.stop:
                 break
             answer.append(tok)
@@ -537,7 +586,7 @@ class Server:
             if arm == "heuristic_async" and (step + 1) % p.heuristic_every == 0:
                 pending.append(launch(embed(" ".join(itos[t] for t in st["ctx"][-16:]))))
         pay()
-        latency = (time.perf_counter() - start) * 1000.0
+        latency = (clock.now() - start) * 1000.0
         for fut in pending:  # retrievals still in flight when the answer ended: not waited for, not counted
             fut.cancel()
         text = " ".join(itos[t] for t in answer)
@@ -571,16 +620,19 @@ def _serve_all(ctx, p: Params, d: dict, lm: TinyLM, heads: Heads, test: list[dic
     results: dict[float, list[dict[str, list[dict]]]] = {}
     for l_r in [p.retrieval_ms, *[x for x in p.retrieval_sweep if x != p.retrieval_ms]]:
         server = Server(p, d, lm, heads, l_r)
+        for arm in p.arms:  # untimed warm-up: torch's first calls (seconds on a loaded machine) land on no arm
+            server.serve(arm, test[0], len(test), p.repeats)  # its own draws
         reps = p.repeats if l_r == p.retrieval_ms else 1
         results[l_r] = []
         for r in range(reps):
-            rows = {arm: [] for arm in ARMS}
+            rows = {arm: [] for arm in p.arms}
             for k, it in enumerate(test):
-                for arm in ARMS:
+                for arm in p.arms:
                     rows[arm].append(server.serve(arm, it, k, r))
             results[l_r].append(rows)
         server.close()
-        ctx.progress(f"L_r={l_r:g} ms: served {len(test)} questions x {len(ARMS)} arms x {reps} repeats (wall clock)")
+        ctx.progress(f"L_r={l_r:g} ms: served {len(test)} questions x {len(p.arms)} arms x {reps} repeats (wall clock)")
+        ctx.progress(f"MiniLM compute cut out of the request clocks: {server.encoder_s:.2f} s")
     cache.write_text(json.dumps({str(k): v for k, v in results.items()}))
     return results
 
@@ -588,6 +640,7 @@ def _serve_all(ctx, p: Params, d: dict, lm: TinyLM, heads: Heads, test: list[dic
 @torch.no_grad()
 def evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
+    torch.set_num_threads(p.torch_threads)  # tiny ops between sleeps: extra intra-op threads only spin
     d = _load(ctx.data_dir)
     lm, heads = _load_models(ctx)
     test = [it for it in d["items"] if it["split"] == "test"]
@@ -610,7 +663,7 @@ def evaluate(ctx) -> dict[str, float]:
     results = _serve_all(ctx, p, d, lm, heads, test)  # L_r -> repeat -> arm -> per-question rows
     keys = ("latency_ms", "ttft_ms", "fact_acc", "exact_match", "retrievals", "stall_ms", "embeds")
     for l_r, reps in results.items():
-        for arm in ARMS:
+        for arm in p.arms:
             prefix = "method/" if arm == "method" else f"baseline/{arm}/"
             for key in keys:
                 per = [float(np.mean([x[key] for x in rows[arm]])) for rows in reps]  # one mean per repeat
@@ -637,7 +690,7 @@ def evaluate(ctx) -> dict[str, float]:
     with open(ctx.out_dir / "answers.jsonl", "w") as f:
         for k, it in enumerate(test):
             f.write(json.dumps({"question": it["question"], "gold": it["answer"],
-                                **{arm: main[arm][k]["answer"] for arm in ARMS}}) + "\n")
+                                **{arm: main[arm][k]["answer"] for arm in p.arms}}) + "\n")
     _plots(ctx.plots_dir, m, results, p, tr, score)
     return {k: float(v) for k, v in m.items()}
 
@@ -646,11 +699,11 @@ def _plots(out: Path, m: dict, results: dict, p: Params, tr: dict, score: np.nda
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
-    names = [("method/" if a == "method" else f"baseline/{a}/") for a in ARMS]
+    names = [("method/" if a == "method" else f"baseline/{a}/") for a in p.arms]
     for ax, key, label in zip(axes, ("latency_ms", "ttft_ms", "fact_acc"), ("end-to-end latency (ms)", "TTFT (ms)",
                                                                               "fact accuracy"), strict=True):
-        ax.bar(range(len(ARMS)), [m[n + key] for n in names], color=["tab:red"] + ["tab:gray"] * (len(ARMS) - 1))
-        ax.set_xticks(range(len(ARMS)), [a.replace("_", "\n") for a in ARMS], fontsize=7)
+        ax.bar(range(len(p.arms)), [m[n + key] for n in names], color=["tab:red"] + ["tab:gray"] * (len(p.arms) - 1))
+        ax.set_xticks(range(len(p.arms)), [a.replace("_", "\n") for a in p.arms], fontsize=7)
         ax.set_ylabel(label)
     axes[0].set_title(f"L_r = {p.retrieval_ms:g} ms, costs slept x {p.time_scale:g} (wall clock)")
     fig.tight_layout()
@@ -672,7 +725,7 @@ def _plots(out: Path, m: dict, results: dict, p: Params, tr: dict, score: np.nda
     if len(results) > 1:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         xs = sorted(results)
-        for arm in ARMS:
+        for arm in p.arms:
             ax.plot(xs, [np.mean([r["latency_ms"] for r in results[x][arm]]) for x in xs], "o-", label=arm)
         ax.set(xlabel="retrieval latency L_r (ms)", ylabel="end-to-end latency (ms)")
         ax.legend(fontsize=7)

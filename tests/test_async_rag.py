@@ -165,3 +165,48 @@ def test_loaders_on_fixtures(tmp_path):
                                                        **{f"e_{i}": emb[:, i] for i in range(384)}})
     d = ar._load(tmp_path)
     assert d["items"][0]["objects"] == ["paris"] and d["groups"] == []
+
+
+def test_serve_clock_cuts_out_real_encoder_compute():
+    """The request clock stands still while MiniLM computes for real (its cost is the declared embed_ms), and a
+    retrieval in flight waits on that clock: it cannot complete during the encode."""
+    import threading
+    import time
+
+    clock = ar.ServeClock()
+    w0, c0 = time.perf_counter(), clock.now()
+    done_at = c0 + 0.02
+    finished = threading.Event()
+    worker = threading.Thread(target=lambda: (clock.sleep_until(done_at), finished.set()))
+    with clock.stopped():
+        worker.start()
+        frozen = clock.now()
+        time.sleep(0.1)  # the "encode": five times the retrieval's remaining latency
+        assert clock.now() == frozen and not finished.is_set()
+    worker.join()
+    assert finished.is_set() and clock.now() >= done_at
+    assert clock.now() - c0 <= time.perf_counter() - w0 - 0.1  # the 0.1 s stood still
+
+
+def test_encoder_misses_are_charged_embed_ms_not_their_compute(data):
+    """A slow encoder (0.5 s a miss): the miss's compute is cut out of the request's latency (measured against the
+    wall clock around the same call, so the machine's load cancels), and the declared embed_ms still is on it."""
+    import time
+
+    p, d = data
+    torch.manual_seed(0)
+    lm, heads = ar._lm(p, len(d["vocab"])).eval(), ar.Heads(p.d_model).eval()
+    server = ar.Server(p, d, lm, heads, retrieval_ms=1.0)
+    fast = server.encode
+    server.encode = lambda texts: (time.sleep(0.5), fast(texts))[1]
+    it = next(x for x in d["items"] if x["split"] == "test")
+    try:
+        with torch.no_grad():
+            w = time.perf_counter()
+            row = server.serve("sync_single", it, 0)
+            wall_ms = (time.perf_counter() - w) * 1000.0
+    finally:
+        server.close()
+    assert server.encoder_s >= 0.5 and row["embeds"] == 1
+    assert row["latency_ms"] <= wall_ms - 500.0  # the miss's 0.5 s is not on the request's clock
+    assert row["latency_ms"] >= p.embed_ms + 1.0 + p.decode_ms  # its declared cost is
