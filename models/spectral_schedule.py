@@ -35,8 +35,9 @@ Deviations from the paper (choices the abstract and spec left open):
   a scikit-learn MLP classifier trained on the training digits, not a classifier trained through DeepSpeed
   [digit_classifier, evaluate_digits].
 - Premises: a generator works when its distance to real data is under a quarter of white noise's (the EDM
-  baseline at the largest NFE, above the claim's 3-9, per world), and the digit classifier is accurate on held-out
-  digits.
+  baseline at `premise_nfe`, EDM's own converged setting far above the claim's 3-9, per world), and the digit
+  classifier is accurate on held-out digits. The digits control samples every arm at `digits_nfe` only (its claim
+  part) and the EDM arm also at `premise_nfe`.
 - Honest limit (spec): random fields are fully described by their spectra, which favours a spectral schedule.
 """
 
@@ -87,6 +88,9 @@ class Params(PaperParams):
     steps: int = Field(300, ge=1, description="Training steps (every arm trains in lock-step).")
     batch_size: int = Field(32, ge=2)
     lr: float = Field(2e-3, gt=0)
+    warmup: int = Field(0, ge=0, description="Linear learning-rate warm-up steps (every arm, one schedule).")
+    decay: Literal["constant", "cosine", "linear"] = Field("constant", description="Learning-rate decay after the "
+                                                           "warm-up, over `steps`.")
     edm_sigma_min: float = Field(0.002, gt=0)
     edm_sigma_max: float = Field(80.0, gt=0)
     rho: float = Field(7.0, gt=0, description="EDM schedule spacing exponent.")
@@ -94,8 +98,10 @@ class Params(PaperParams):
     p_std: float = Field(1.2, gt=0)
     ddpm_steps: int = Field(1000, ge=10, description="T of the cosine DDPM arm.")
     gmm_components: int = Field(4, ge=1, description="Gaussian mixture over training codes, sampled at inference.")
-    nfe: list[int] = Field([3, 5, 9, 17], min_length=1, description="Heun NFEs evaluated (odd; 3, 5, 9 and one "
-                           "above 9, where the premises judge the EDM baseline, required).")
+    nfe: list[int] = Field([3, 5, 9, 17], min_length=1, description="Heun NFEs evaluated for every arm (odd; 3, 5, "
+                           "9, the claim's, and one above 9, where the gap is reported, required).")
+    premise_nfe: int = Field(33, ge=11, description="Heun NFE at which the premises judge the EDM baseline (odd): "
+                             "EDM's own converged setting (18 steps, 35 NFE on CIFAR-10), far above the claim's 3-9.")
     n_samples: int = Field(256, ge=4, description="Generated samples per arm and NFE.")
     digits_control: bool = Field(True, description="Also train and evaluate on scikit-learn's digits (the spec's "
                                  "low-heterogeneity control whose spectra are not power laws).")
@@ -108,7 +114,7 @@ class Params(PaperParams):
     @classmethod
     def _claimed_levels_and_one_above(cls, nfe: list[int]) -> list[int]:
         if not {3, 5, 9} <= set(nfe) or max(nfe) <= 9:
-            raise ValueError(f"nfe must hold 3, 5, 9 (the claim's) and a level above 9 (the premises'), got {nfe}")
+            raise ValueError(f"nfe must hold 3, 5, 9 (the claim's) and a level above 9 (the gap's), got {nfe}")
         return nfe
 
 
@@ -338,7 +344,8 @@ def train(ctx) -> None:
     ctx.progress(", ".join(f"{w}: {len(arms)} arms ({', '.join(arms)})" for w, (_, arms) in _worlds(p).items())
                  + f" in lock-step, {p.steps} steps of batch {p.batch_size}")
     arms = {f"{w}/{a}": net for w, world in model.worlds.items() for a, net in world.nets.items()}
-    ctx.fit("arms", ctx.engine(model, p.lr, arms=arms), step_fn, batch_fn, p.steps)
+    engine = ctx.engine(model, p.lr, arms=arms, steps=p.steps, warmup=p.warmup, decay=p.decay)
+    ctx.fit("arms", engine, step_fn, batch_fn, p.steps)
 
 
 # ---- sampling and evaluation ---------------------------------------------------------------------------------
@@ -391,6 +398,10 @@ def evaluate(ctx) -> dict[str, float]:
     if "edm" in p.arms:
         metrics["detail/gap_at_max_nfe"] = sfd["edm"][top] - sfd["tight"][top]
         metrics["detail/edm/sfd_max_nfe"] = sfd["edm"][top]
+        g = torch.Generator().manual_seed(p.seed + p.premise_nfe)
+        fake = sample_arm(model, "edm", p.premise_nfe, codes, tuple(d["x"].shape[1:]), g)
+        metrics["detail/edm/sfd_premise_nfe"] = frechet_distance(real, log_spectra(fake)) \
+            if np.isfinite(fake).all() else 1e6
     for nfe in p.nfe:
         edm = karras_sigmas(torch.tensor([p.edm_sigma_min]), torch.tensor([p.edm_sigma_max]), heun_levels(nfe),
                             p.rho)[0, :-1].numpy()
@@ -435,14 +446,14 @@ def evaluate_digits(model: Arms, d: dict, p: Params, progress) -> dict[str, floa
         real_f, features(noise))}
     for arm in model.arms:
         prefix = "method/" if arm == "tight" else f"baseline/{arm}/"
-        for nfe in sorted({p.digits_nfe, *p.nfe}):
+        for nfe in sorted({p.digits_nfe} | ({p.premise_nfe} if arm == "edm" else set())):
             g = torch.Generator().manual_seed(p.seed + nfe)  # common random numbers across arms
             fake = sample_arm(model, arm, nfe, codes, shape, g)
             ok = np.isfinite(fake).all()
             out[f"{prefix}digits_fd_nfe{nfe}"] = frechet_distance(real_f, features(fake)) if ok else 1e6
             out[f"{prefix}digits_sfd_nfe{nfe}"] = frechet_distance(real_s, log_spectra(fake)) if ok else 1e6
         if arm == "edm":
-            out["detail/edm/digits_fd_max_nfe"] = out[f"{prefix}digits_fd_nfe{max(p.nfe)}"]
+            out["detail/edm/digits_fd_premise_nfe"] = out[f"{prefix}digits_fd_nfe{p.premise_nfe}"]
         progress(f"digits {arm}: FD " + ", ".join(f"{k.rsplit('_', 1)[1]}: {v:.3f}" for k, v in out.items()
                                                   if k.startswith(prefix + "digits_fd")))
     return out
@@ -493,13 +504,14 @@ PAPER = Paper(
     evaluate=evaluate,
     primary=("method/sfd_nfe5", "min"),
     claim=Claim(
-        premises=(  # the diffusion models learned their data, judged on the EDM baseline at the largest NFE,
-            # above the claim's 3-9 (at NFE 9 a premise would measure the schedule effect the claim is about), and
-            # the digits' feature space is a trained classifier's
-            Compare("detail/edm/sfd_max_nfe", "<", "detail/sfd_white_noise", scale=PREMISE_FRACTION,
+        premises=(  # the diffusion models learned their data, judged on the EDM baseline at premise_nfe (33), EDM's
+            # own converged setting: the share of EDM's levels outside a field's [sigma_min, sigma_max] does not
+            # shrink with the NFE, so at 9 or 17 a premise still measures the schedule effect the claim is about;
+            # and the digits' feature space is a trained classifier's
+            Compare("detail/edm/sfd_premise_nfe", "<", "detail/sfd_white_noise", scale=PREMISE_FRACTION,
                     name="edm_generates_fields"),
             Compare("detail/digits/classifier_acc", ">=", 0.9, name="digit_classifier_accurate"),
-            Compare("detail/edm/digits_fd_max_nfe", "<", "detail/digits/fd_white_noise", scale=PREMISE_FRACTION,
+            Compare("detail/edm/digits_fd_premise_nfe", "<", "detail/digits/fd_white_noise", scale=PREMISE_FRACTION,
                     name="edm_generates_digits"),
         ),
         all_of=(

@@ -15,7 +15,9 @@ What it implements (function names in brackets):
   reduced across shards (TBIK: `tbik_sum`; others: per-shard sums folded in rank order), RMSNorm sums by the
   family's order; logits equality and greedy decodes across TP sizes [greedy];
 - RL: rollouts at TP=4, the training engine at TP=1 (same family) recomputes their log-probs, both scoring
-  passes through the family's Triton kernels; REINFORCE with the
+  passes through the family's Triton kernels on `rl_kernel_steps` evenly spaced steps (first and last included;
+  the claim's rollout-vs-training metrics read these steps) and through the family's PyTorch reference of the
+  same order on the others (the spec's smoke plan; their numbers are context) [kernel_steps]; REINFORCE with the
   importance ratio rho = pi_train / pi_rollout on a target-bigram reward, TBIK and naive arms in lock-step in one
   DeepSpeed engine [rollouts, rl_step]; per token |delta log p|, exact KL(rollout || train), share of rho != 1.
 
@@ -32,7 +34,11 @@ Deviations from the paper (choices the abstract left open):
   cost; they are the same on both engines). The greedy-decode check runs on the references only, so it is context
   (their trees agree across TP sizes by construction). The spec planned references for the whole CPU LM; the
   "torch" family has no kernel and stays on torch.matmul. The 4 attention heads are not split (the simulation
-  only concerns reductions).
+  only concerns reductions). The LM logits check runs through the kernels for `lm_kernel_families` (smoke: TBIK,
+  the family the claim reads; the baselines' LM logits there come from their references, context).
+- Interpreted on CPU (TRITON_INTERPRET=1), the interpreter upcasts bf16 tiles to fp32 before `tl.dot`, so the
+  compiled GPU bf16 tensor-core path is not exercised by the smoke run; the kernel tests run compiled when a GPU
+  is present.
 - Premises: the LM learned the grammar (held-out NLL well below uniform) and the TBIK kernel computes the product
   (relative error within bf16 rounding; an output ignoring its inputs would be invariant too).
 - The rollout engine samples token by token and then scores the finished sequences in one prefill pass at TP=4;
@@ -89,6 +95,11 @@ class Params(PaperParams):
     rollouts: int = Field(16, ge=2, description="Rollouts per REINFORCE step (global batch).")
     rollout_len: int = Field(32, ge=2, description="Generated tokens per rollout.")
     rl_steps: int = Field(30, ge=1, description="REINFORCE steps.")
+    rl_kernel_steps: int | None = Field(None, ge=1, description="REINFORCE steps (evenly spaced, first and last "
+                                        "included) whose scoring and recompute run through the Triton kernels; "
+                                        "the others through the family's PyTorch reference. None: every step.")
+    lm_kernel_families: list[str] = Field(list(FAMILIES), description="Families whose LM logits check runs "
+                                          "through their Triton kernels; the others through their references.")
     rl_lr: float = Field(1e-3, gt=0, description="REINFORCE learning rate.")
     rollout_tp: int = Field(4, description="TP size of the rollout engine.")
     train_tp: int = Field(1, description="TP size of the training engine (FSDP-like).")
@@ -272,23 +283,25 @@ def bigram_reward(seq: torch.Tensor, bigram: tuple[int, int]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def rollouts(model: TinyLM, prompts: torch.Tensor, p: Params, family: str, g: torch.Generator):
+def rollouts(model: TinyLM, prompts: torch.Tensor, p: Params, family: str, g: torch.Generator,
+             kernels: bool = True):
     """Sample with the rollout engine (family at TP=rollout_tp, KV cache, the family's PyTorch reference order),
-    then score the finished sequences in one prefill pass of the same engine through the family's Triton kernels:
-    the log-probs the trainer receives. Returns tokens (B, P+R), log-probs (B, R, V)."""
+    then score the finished sequences in one prefill pass of the same engine through the family's Triton kernels
+    (kernels=False: its reference): the log-probs the trainer receives. Returns tokens (B, P+R), log-probs
+    (B, R, V)."""
     seq, cache, new = prompts, [], prompts
     for _ in range(p.rollout_len):  # incremental decoding; only the prefill below supplies the log-probs
         probs = model.logprobs(new, family, p.rollout_tp, cache)[:, -1].exp()
         new = torch.multinomial(probs, 1, generator=g)
         seq = torch.cat([seq, new], 1)
-    scored = model.logprobs(seq[:, :-1], family, p.rollout_tp, kernels=True)[:, p.prompt_len - 1:]  # (B, R, V)
+    scored = model.logprobs(seq[:, :-1], family, p.rollout_tp, kernels=kernels)[:, p.prompt_len - 1:]  # (B, R, V)
     return seq, scored
 
 
 def rl_step(model: TinyLM, family: str, tp: int, seq: torch.Tensor, roll_lp: torch.Tensor, adv: torch.Tensor,
-            prompt_len: int):
+            prompt_len: int, kernels: bool = True):
     """REINFORCE with the importance ratio rho = pi_train / pi_rollout (detached), per token."""
-    train_lp = model.logprobs(seq[:, :-1], family, tp, kernels=True)[:, prompt_len - 1:]  # (B, R, V), recompute
+    train_lp = model.logprobs(seq[:, :-1], family, tp, kernels=kernels)[:, prompt_len - 1:]  # (B, R, V), recompute
     tok = seq[:, prompt_len:, None]
     lp_t, lp_r = train_lp.gather(-1, tok)[..., 0], roll_lp.gather(-1, tok)[..., 0]  # (B, R)
     rho = (lp_t.detach() - lp_r).exp()
@@ -305,6 +318,12 @@ def _target_bigram(tokens: torch.Tensor) -> tuple[int, int]:
     counts = torch.bincount(pairs.flatten(), minlength=64 * 64)
     code = int(counts.argsort(descending=True)[20])
     return code // 64, code % 64
+
+
+def kernel_steps(p: Params) -> set[int]:
+    """The REINFORCE steps whose scoring passes run through the Triton kernels: evenly spaced, first and last."""
+    n = p.rl_steps if p.rl_kernel_steps is None else min(p.rl_kernel_steps, p.rl_steps)
+    return {int(s) for s in np.round(np.linspace(0, p.rl_steps - 1, n))}
 
 
 def _new_lm(p: Params) -> TinyLM:
@@ -337,6 +356,7 @@ def train(ctx) -> None:
     bigram = _target_bigram(tokens[:n_train])
     state = {s: torch.full((p.rl_steps, len(ARMS), p.rollouts), float("nan"))
              for s in ("dlogp", "kl", "rho_ne1", "reward")}
+    on_kernels = kernel_steps(p)
     engine = ctx.engine(arms, p.rl_lr, arms=arms)
 
     def rl_batch(step):
@@ -344,7 +364,7 @@ def train(ctx) -> None:
         prompts = tokens[torch.randint(0, n_train, (p.rollouts,), generator=g), : p.prompt_len]
         batch = {"idx": torch.arange(p.rollouts)}
         for a in ARMS:
-            seq, roll_lp = rollouts(engine.module[a], prompts, p, a, g)
+            seq, roll_lp = rollouts(engine.module[a], prompts, p, a, g, kernels=step in on_kernels)
             reward = bigram_reward(seq[:, p.prompt_len - 1:], bigram)
             batch |= {f"seq_{a}": seq, f"lp_{a}": roll_lp, f"reward_{a}": reward,
                       f"adv_{a}": reward - reward.mean()}
@@ -354,7 +374,7 @@ def train(ctx) -> None:
         total, metrics = 0.0, {}
         for i, a in enumerate(ARMS):
             loss, stats = rl_step(engine.module[a], a, p.train_tp, batch[f"seq_{a}"], batch[f"lp_{a}"],
-                                  batch[f"adv_{a}"], p.prompt_len)
+                                  batch[f"adv_{a}"], p.prompt_len, kernels=step in on_kernels)
             total = total + loss
             for name, value in stats.items():
                 state[name][step, i, batch["idx"]] = value.float().cpu()
@@ -406,7 +426,8 @@ def evaluate(ctx) -> dict[str, float]:
     lm_stats, decode_div, first_div = {}, {}, {}
     with torch.no_grad():
         for fam in FAMILIES:
-            logits = {tp: lm.logprobs(held[:, :-1], fam, tp, kernels=True) for tp in p.tp_sizes}
+            on = fam in p.lm_kernel_families
+            logits = {tp: lm.logprobs(held[:, :-1], fam, tp, kernels=on) for tp in p.tp_sizes}
             lm_stats[fam] = pair_stats(logits)["differing_elements"]
             dec = {tp: greedy(lm, held[:, : p.prompt_len], p.decode_len, fam, tp) for tp in p.tp_sizes}
             firsts = [first_divergence(dec[a], dec[b]) for a, b in itertools.combinations(p.tp_sizes, 2)]
@@ -431,11 +452,15 @@ def evaluate(ctx) -> dict[str, float]:
     for name in ("sum_tbik", "sum_naive", "sum_tbik_triton"):
         for k, v in agg.get(name, {}).items():
             metrics[f"detail/{name}/{k}"] = float(v)
+    on = np.isin(np.arange(p.rl_steps), sorted(kernel_steps(p)))  # the claim reads the kernel-scored steps
     for i, a in enumerate(ARMS):
         prefix = "method/" if a == "tbik" else f"baseline/{a}/"
-        metrics[prefix + "max_abs_dlogp"] = float(np.nanmax(st["dlogp"][:, i]))
-        metrics[prefix + "mean_kl"] = float(np.nanmean(st["kl"][:, i]))
-        metrics[prefix + "rho_ne1_share"] = float(np.nanmean(st["rho_ne1"][:, i]))
+        metrics[prefix + "max_abs_dlogp"] = float(np.nanmax(st["dlogp"][on, i]))
+        metrics[prefix + "mean_kl"] = float(np.nanmean(st["kl"][on, i]))
+        metrics[prefix + "rho_ne1_share"] = float(np.nanmean(st["rho_ne1"][on, i]))
+        if (~on).any():  # the reference steps: the same orders in PyTorch (context)
+            metrics[f"detail/rl/{a}/ref/max_abs_dlogp"] = float(np.nanmax(st["dlogp"][~on, i]))
+            metrics[f"detail/rl/{a}/ref/rho_ne1_share"] = float(np.nanmean(st["rho_ne1"][~on, i]))
         reward = np.nanmean(st["reward"][:, i], axis=1)
         metrics[f"detail/rl/{a}/reward_first"] = float(reward[0])
         metrics[f"detail/rl/{a}/reward_last"] = float(reward[-1])

@@ -263,3 +263,30 @@ def test_bigram_reward_and_first_divergence():
     assert M.bigram_reward(seq, (1, 2)).tolist() == [2.0, 0.0]
     a, b = torch.tensor([[1, 2, 3], [1, 2, 3]]), torch.tensor([[1, 2, 3], [1, 0, 3]])
     assert M.first_divergence(a, a) == 3 and M.first_divergence(a, b) == 1
+
+
+def test_kernel_steps_are_evenly_spaced_and_include_the_ends():
+    assert M.kernel_steps(M.Params(rl_steps=30, rl_kernel_steps=3)) == {0, 14, 29}
+    assert M.kernel_steps(M.Params(rl_steps=30, rl_kernel_steps=1)) == {0}
+    assert M.kernel_steps(M.Params(rl_steps=5)) == set(range(5))  # None: every step
+    assert M.kernel_steps(M.Params(rl_steps=2, rl_kernel_steps=9)) == {0, 1}
+
+
+def test_reference_steps_call_no_kernel_and_keep_the_orders(monkeypatch):
+    """kernels=False (the RL steps off the kernel schedule): rollout scoring and recompute run the references
+    only; TBIK's reference still gives rho == 1 exactly between TP 4 and TP 1, the naive reference does not."""
+    torch.manual_seed(0)
+    lm = M.TinyLM(vocab=64, d=32, n_layers=1, n_heads=2, max_len=16)
+    seq = torch.randint(0, 64, (4, 12))
+
+    def forbidden(*a, **kw):
+        raise AssertionError("a kernel ran on a reference step")
+    for fam in ("tbik", "naive"):
+        monkeypatch.setitem(M.FAMILIES, fam, (M.FAMILIES[fam][0], forbidden))
+    monkeypatch.setattr(M.K, "tbik_sum", forbidden)
+    gaps = {}
+    for fam in ("tbik", "naive"):
+        roll = lm.logprobs(seq[:, :-1], fam, 4, kernels=False)[:, 3:].detach()
+        _, stats = M.rl_step(lm, fam, 1, seq, roll, torch.ones(4), prompt_len=4, kernels=False)
+        gaps[fam] = float(stats["dlogp"].max())
+    assert gaps["tbik"] == 0.0 and gaps["naive"] > 0.0
