@@ -21,8 +21,9 @@ What it implements (function names in brackets):
   the compressed Q, K, V in place of dense attention [composed_attention, mode "tsa_block"];
 - accuracy over coverages c, the kept fraction and FLOP ratio sum_h n_keep^2 / (H L^2), and attention latency
   (scoring + gather + SDPA + scatter vs SDPA; block-sparse alone vs composed) at the profile's lengths, the arms
-  interleaved in each repeat [attention_latency]. The two speed parts of the claim are wall clock and `timed`:
-  each repeat at the longest length is one paired sample (dense / method, block-sparse / composed).
+  interleaved in each repeat, on one torch thread [attention_latency]. The speed part of the claim (dense / method)
+  and the composed-vs-block-sparse context are wall clock and `timed`: each repeat at the longest length is one
+  paired sample (dense / method, block-sparse / composed).
 
 Deviations from the paper (choices the abstract left open):
 - scoring and budget rules are the spec's (observation window W = 16, pooling 7, coverage budget); the budget is
@@ -65,7 +66,7 @@ from torch import nn
 
 from kernels import token_sparse as T
 from models.common.tables import read_table, write_table
-from models.common.threads import available_cpus, torch_threads
+from models.common.threads import torch_threads
 from models.contract import Claim, Compare, Paper, ScheduledParams
 
 BOS, ASSIGN, QUERY = 0, 1, 2
@@ -322,8 +323,11 @@ def train(ctx) -> None:
         acc = (logits[:, -1].argmax(-1) == batch["ans"]).float().mean()
         return loss, {"final_accuracy": float(acc)}
 
-    ctx.fit("lm", ctx.engine(model, p.lr, weight_decay=0.01, steps=p.steps, warmup=p.warmup,
-                                  decay=p.decay), step_fn, batch_fn, p.steps)
+    # one torch thread: batches of 16 x 64 tokens at width 64 are too small for intra-op threads to pay their
+    # hand-offs, and on a shared machine their spin-waits multiply the CPU cost (models/common/threads.py)
+    with torch_threads(1):
+        ctx.fit("lm", ctx.engine(model, p.lr, weight_decay=0.01, steps=p.steps, warmup=p.warmup,
+                                 decay=p.decay), step_fn, batch_fn, p.steps)
 
 
 # ---- evaluate ----------------------------------------------------------------------------------------------
@@ -411,7 +415,7 @@ def evaluate(ctx) -> dict[str, float]:
     key = f"{best['kept']:.6f}/{p.block_size}/{p.block_keep:g}"
     timings = json.loads(cache.read_text()) if cache.exists() else {}
     if key not in timings:
-        with torch_threads(available_cpus()):  # the latency probe times long sequences on every core
+        with torch_threads(1):  # one thread: no hand-offs or spin-waits between threads in the timings or the CPU cost
             timings[key] = {str(n): attention_latency(n, best["kept"], p, p.latency_repeats)
                             for n in p.latency_lengths}
         cache.write_text(json.dumps(timings))
@@ -485,15 +489,18 @@ PAPER = Paper(
             Compare("method/accuracy_drop", "<=", 0.01),
             Compare("method/accuracy", ">=", "baseline/eviction/accuracy"),
             Compare("method/accuracy", ">=", "baseline/sink_window/accuracy"),
-            # composes with sparse-attention kernels: faster than block-sparse alone, within a point of its accuracy
-            Compare("method/composed/speedup_vs_block", ">", 1.0, timed=True),
+            # composes with sparse-attention kernels: within a point of block-sparse alone's accuracy
             Compare("method/composed/accuracy", ">=", "baseline/block_sparse/accuracy", margin=-0.01),
+        ),
+        context=(  # nearly by construction: the same block-sparse kernel on fewer tokens (see the note)
+            Compare("method/composed/speedup_vs_block", ">", 1.0, timed=True),
         ),
         summary="at a coverage chosen on a validation split: attention faster at the longest length (timed), test "
                 "accuracy within 1 point of dense, and at least eviction's and sink+window's at the same budget; "
-                "composed with block-sparse attention: faster than block-sparse alone (timed) and within 1 point "
-                "of its accuracy",
-        note="the composed-vs-block-sparse speed-up nearly holds by construction: the composed path runs the same "
-             "block-sparse kernel on fewer tokens, so it reads whether the scoring, gather and scatter cost less than "
-             "the tokens they remove, not whether the two methods compose well"),
+                "composed with block-sparse attention: within 1 point of its accuracy; context: the composed path "
+                "faster than block-sparse alone (timed)",
+        note="the composed-vs-block-sparse speed-up is context, not a part: it nearly holds by construction (the "
+             "composed path runs the same block-sparse kernel on fewer tokens), so it reads whether the scoring, "
+             "gather and scatter cost less than the tokens they remove, not whether the two methods compose well; "
+             "timings on one thread"),
 )

@@ -206,3 +206,15 @@ def test_composed_attention_is_block_sparse_on_the_kept_tokens():
     assert (out[dropped] == 0).all()  # decompressed: zeros where a head dropped the token
     full, _ = M.composed_attention(q, k, v, 8, 1.0, keep_ratio=1.0, window=8, pool=3, n_min=2)
     assert torch.allclose(full, T.dense_attention_ref(q, k, v), atol=1e-5)
+
+
+def test_latency_probe_times_every_arm_interleaved_and_the_composed_speedup_is_context():
+    p = M.Params(width=16, n_heads=2, window=8, pool=3, block_size=8, block_keep=0.5)
+    times = M.attention_latency(64, 0.5, p, repeats=5)
+    assert set(times) == {"dense", "tsa", "block", "composed"}
+    assert all(len(v) == 5 and min(v) > 0 for v in times.values())
+    claim = M.PAPER.claim
+    parts = {c.left for c in claim.all_of}
+    assert "method/composed/speedup_vs_block" not in parts  # nearly by construction: shown, not evidence
+    assert [c.left for c in claim.context] == ["method/composed/speedup_vs_block"]
+    assert [c.left for c in claim.all_of if c.timed] == ["method/speedup_longest"]
