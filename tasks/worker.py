@@ -50,6 +50,10 @@ def _init_distributed() -> None:
     if "MASTER_ADDR" not in os.environ:  # single in-process rank: a private one-member group
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                           LOCAL_RANK="0")
+    # a fresh group: DeepSpeed's cached world group may be one an earlier in-process job destroyed (tests)
+    from deepspeed.utils import groups
+
+    groups._WORLD_GROUP = groups._DATA_PARALLEL_GROUP = None
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(backend, timeout=timedelta(seconds=int(os.environ.get("PAPERLINE_DIST_TIMEOUT", 120))))
 
