@@ -70,6 +70,7 @@ from torch import nn
 from models.common.lm import TinyLM, WordVocab
 from models.common.plots import roc_curves
 from models.common.tables import read_table, write_table
+from models.common.threads import torch_threads
 from models.contract import Claim, Compare, Paper, ScheduledParams
 from models.inputs import input_path
 
@@ -363,8 +364,12 @@ def traces(lm: TinyLM, items: list[dict], a_id: int, p: Params) -> dict[str, tor
 
 # ---- training --------------------------------------------------------------------------------------------------
 def train(ctx) -> None:
+    with torch_threads(ctx.params.torch_threads):  # restored after: the process may run other papers' work
+        _train(ctx)
+
+
+def _train(ctx) -> None:
     p: Params = ctx.params
-    torch.set_num_threads(p.torch_threads)
     d = _load(ctx.data_dir)
     vocab, items = d["vocab"], [it for it in d["items"] if it["split"] == "train"]
     a_id = vocab.stoi["<a>"]
@@ -639,8 +644,13 @@ def _serve_all(ctx, p: Params, d: dict, lm: TinyLM, heads: Heads, test: list[dic
 
 @torch.no_grad()
 def evaluate(ctx) -> dict[str, float]:
+    # tiny ops between sleeps: extra intra-op threads only spin; restored after (evaluation shares the flow's process)
+    with torch_threads(ctx.params.torch_threads):
+        return _evaluate(ctx)
+
+
+def _evaluate(ctx) -> dict[str, float]:
     p: Params = ctx.params
-    torch.set_num_threads(p.torch_threads)  # tiny ops between sleeps: extra intra-op threads only spin
     d = _load(ctx.data_dir)
     lm, heads = _load_models(ctx)
     test = [it for it in d["items"] if it["split"] == "test"]
