@@ -64,8 +64,9 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def test_both_uis_as_a_person_sees_them(workspace, tmp_path):
     """`paperline server --port N` (Prefect, its UI talking to port N) and `paperline ui` (MLflow) after one run:
-    Prefect's runs page lists the run by its name, MLflow's run page opens in the model-training view with the
-    claim and the metric charts."""
+    Prefect's runs page lists the run by its name, the flow run's logs hold the claim line and its verdict artifact
+    renders on the artifact's page, MLflow's run page opens in the model-training view with the claim and the metric
+    charts. Screenshots of each page go to test-artifacts/ for a person to look at."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.deployed import paper as run_paper
@@ -88,15 +89,52 @@ def test_both_uis_as_a_person_sees_them(workspace, tmp_path):
         assert tracking.client().get_experiment(exp_id).tags["mlflow.experimentKind"] == "custom_model_development"
 
         from prefect.client.orchestration import SyncPrefectClient
+        from prefect.client.schemas.filters import (
+            ArtifactFilter,
+            ArtifactFilterFlowRunId,
+            LogFilter,
+            LogFilterFlowRunId,
+        )
 
         with SyncPrefectClient(api) as client:
-            names = [r.name for r in client.read_flow_runs()]
-        assert "sei-test" in names, names  # flow runs are named <paper>-<profile>
+            runs = client.read_flow_runs()
+            names = [r.name for r in runs]
+            assert "sei-test" in names, names  # flow runs are named <paper>-<profile>
+            flow_run = next(r for r in runs if r.name == "sei-test")
+            log_filter = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id]))
+            deadline = time.time() + 60
+            while True:  # Prefect's log handler sends its batch every few seconds, the claim line last
+                logs = [log.message for log in client.read_logs(log_filter)]
+                if any(message.startswith("claim sei:") for message in logs) or time.time() > deadline:
+                    break
+                time.sleep(1)
+            artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id])))
+        # what the flow run's Logs tab shows: paperline's lines, the claim line among them
+        assert any(message.startswith("claim sei:") for message in logs), logs
+        assert [a.key for a in artifacts] == ["claim-sei-test"], [a.key for a in artifacts]
+        assert "sei (test) claim" in artifacts[0].data and "MLflow run" in artifacts[0].data
+        prefect_ui = f"http://127.0.0.1:{prefect_port}"
         for _ in range(3):  # the list renders after the API answers: a busy machine can miss the budget
-            runs_page = _chromium(f"http://127.0.0.1:{prefect_port}/runs", tmp_path / "chromium")
+            runs_page = _chromium(f"{prefect_ui}/runs", tmp_path / "chromium")
             if "sei-test" in runs_page:
                 break
         assert "sei-test" in runs_page, "Prefect's runs page does not list the flow run by its name"
+        artifact_url = f"{prefect_ui}/artifacts/artifact/{artifacts[0].id}"
+        for _ in range(3):
+            artifact_page = _chromium(artifact_url, tmp_path / "chromium")
+            if "sei (test) claim" in artifact_page:
+                break
+        assert "sei (test) claim" in artifact_page, "the verdict artifact does not render on its page"
+        shots = PROJECT / "test-artifacts"
+        shots.mkdir(exist_ok=True)
+        _chromium(artifact_url, tmp_path / "chromium", f"--screenshot={shots / 'prefect-artifact.png'}")
+        try:  # the flow-run page streams its logs, so Chromium's virtual time may never run out: a picture only,
+            # the logs it shows are asserted through the API above
+            _chromium(f"{prefect_ui}/runs/flow-run/{flow_run.id}", tmp_path / "chromium",
+                      f"--screenshot={shots / 'prefect-flow-run.png'}")
+        except subprocess.TimeoutExpired:
+            pass
 
         ui = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--port", str(port)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -113,8 +151,6 @@ def test_both_uis_as_a_person_sees_them(workspace, tmp_path):
             if "js-plotly-plot" in charts:
                 break
         assert "js-plotly-plot" in charts, "the metric charts did not render"
-        shots = PROJECT / "test-artifacts"
-        shots.mkdir(exist_ok=True)
         _chromium(charts_url, tmp_path / "chromium", f"--screenshot={shots / 'mlflow-ui.png'}")
         assert (shots / "mlflow-ui.png").stat().st_size > 10_000
     finally:
