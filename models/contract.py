@@ -38,6 +38,9 @@ class PaperParams(BaseModel):
 
     seed: int = Field(0, description="Seeds data generation, initialisation and batch order.")
     ranks: int = Field(1, ge=1, le=1024, description="DeepSpeed ranks (processes) the train task launches.")
+    threads: int | None = Field(None, ge=1, description="Torch intra-op threads of each rank while training; "
+                                "None: the job's cores split over its ranks. 1 where a step's ops are too small to "
+                                "split (thread hand-offs and spin-waits cost more CPU than they save).")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage; 0-2 on CPU.")
     bf16: bool = Field(False, description="bf16 training (GPUs only; fp32 on CPU).")
     checkpoint_every: int = Field(50, ge=1, description="Training steps between committed checkpoints.")

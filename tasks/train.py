@@ -59,7 +59,7 @@ def launch(job: TrainJob) -> None:
             "out_dir": str(job.out_dir), "run_id": job.run_id,
             # a URI holding a password stays out of files: the ranks then read it from their environment
             "tracking_uri": job.tracking_uri if job.tracking_uri == mask(job.tracking_uri or "") else None,
-            "threads_per_rank": _threads_per_rank(job.params.ranks), "cores": list(_cores())}
+            "threads_per_rank": _threads_per_rank(job.params), "cores": list(_cores())}
     spec_path.write_text(json.dumps(spec, indent=1))  # the record of what ran, in the run folder
     nodes = nodes_from_env()
     others: list[subprocess.Popen] = []  # the launchers of nodes 1.. (node 0's output is streamed below)
@@ -71,17 +71,17 @@ def launch(job: TrainJob) -> None:
             command = launcher_command(job.params.ranks, spec_path, None, nodes, node_rank, port)
             with open(job.out_dir / f"train.node{node_rank}.log", "a") as node_log:
                 others.append(subprocess.Popen(command, stdout=node_log, stderr=subprocess.STDOUT, text=True,
-                                               env=_rank_env(job.params.ranks),
+                                               env=_rank_env(job.params),
                                                preexec_fn=die_with_parent))
         process = _spawn(launcher_command(job.params.ranks, spec_path, None, nodes, 0, port),
-                         _rank_env(job.params.ranks))
+                         _rank_env(job.params))
     else:
         warm, how = _claim(job.paper_id, job.params)
         if warm is not None:
             process = warm.hand_over(spec)
         else:
             command = launcher_command(job.params.ranks, spec_path, os.environ.get("PAPERLINE_HOSTFILE"))
-            process = _spawn(command, _rank_env(job.params.ranks))
+            process = _spawn(command, _rank_env(job.params))
     log_path = job.out_dir / "train.log"
     bars = PhaseBars()
     try:
@@ -126,12 +126,13 @@ def core_slots(parallel: int) -> list[tuple[int, ...] | None]:
     return [tuple(cores[i * size:(i + 1) * size]) for i in range(parallel)]
 
 
-def _threads_per_rank(ranks: int) -> int:
-    return max(1, len(_cores()) // ranks)
+def _threads_per_rank(params: PaperParams) -> int:
+    """The profile's `threads`, else this job's cores split over its ranks."""
+    return params.threads or max(1, len(_cores()) // params.ranks)
 
 
-def _rank_env(ranks: int) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(_threads_per_rank(ranks)), "PYTHONUNBUFFERED": "1",
+def _rank_env(params: PaperParams) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(_threads_per_rank(params)), "PYTHONUNBUFFERED": "1",
            "PAPERLINE_PROGRESS": "lines"}  # rank 0 reports progress as structured lines (PhaseBars renders them)
     env.pop("LOCAL_SIZE", None)  # its presence leaves DeepSpeed shm segments behind in /dev/shm
     return env
@@ -224,10 +225,10 @@ class _Prestarted:
     """A job whose ranks run `tasks.worker --prestarted`: warming up or waiting for the spec file `ticket`."""
 
     def __init__(self, paper_id: str, params: PaperParams):
-        self.ranks, self.env = params.ranks, _fixed_env(params.ranks)
+        self.ranks, self.env = params.ranks, _fixed_env(params)
         self.ticket = Path(tempfile.mkdtemp(prefix=f"paperline-{paper_id}-")) / "worker_spec.json"
         command = launcher_command(params.ranks, self.ticket, None) + ["--prestarted", paper_id]
-        self.process = _spawn(command, _rank_env(params.ranks))
+        self.process = _spawn(command, _rank_env(params))
 
     def hand_over(self, spec: dict) -> subprocess.Popen:
         tmp = self.ticket.with_suffix(".tmp")
@@ -254,10 +255,10 @@ _prestarted: dict[str, _Prestarted] = {}  # by paper id; at most one waiting job
 _prestarted_lock = threading.Lock()
 
 
-def _fixed_env(ranks: int) -> dict[str, str]:
+def _fixed_env(params: PaperParams) -> dict[str, str]:
     """The environment a rank fixes at start-up (fault injection, tracking credentials, PAPERLINE_ROOT ...);
     Prefect's own variables do not reach the ranks' work."""
-    return {k: v for k, v in _rank_env(ranks).items() if not k.startswith("PREFECT_")}
+    return {k: v for k, v in _rank_env(params).items() if not k.startswith("PREFECT_")}
 
 
 def prestart(paper_id: str, params: PaperParams) -> None:
@@ -277,7 +278,7 @@ def _claim(paper_id: str, params: PaperParams) -> tuple[_Prestarted | None, str]
         warm = _prestarted.pop(paper_id, None)
     if warm is None:
         return None, "new job"
-    env = _fixed_env(params.ranks)
+    env = _fixed_env(params)
     if warm.ranks == params.ranks and warm.env == env and warm.process.poll() is None:
         return warm, "prestarted job"
     warm.cancel()
