@@ -66,7 +66,6 @@ from torch import nn
 from models.common import sequences as seq
 from models.common.diffusion import ddpm_scheduler, frechet_distance
 from models.common.tables import read_table, write_table
-from models.common.threads import torch_threads
 from models.contract import Claim, Compare, Paper, ScheduledParams
 
 TRAIN_STEPS = 1000  # DDPM timesteps of the cosine schedule
@@ -92,8 +91,6 @@ class Params(ScheduledParams):
     lr: float = Field(2e-3, gt=0, description="AdamW learning rate (peak, with `warmup` / `decay`).")
     ema: float | None = Field(None, ge=0, le=1, description="EMA decay of the I2V weights; evaluation samples "
                               "with the EMA copy (None: the last weights).")
-    train_threads: int = Field(1, ge=1, description="Torch intra-op threads while training: a batch of 16 small "
-                               "videos costs more in thread hand-offs than it gains (counted in CPU seconds).")
     prior_steps: int = Field(2, ge=1, description="DDIM steps of the motion prior (and of the 2-step arm).")
     full_steps: int = Field(50, ge=2, description="DDIM steps of the many-step run.")
     sweep_steps: list[int] = Field([], description="Extra step counts S for the PS/MS and PC sweep (detail).")
@@ -293,8 +290,7 @@ def train(ctx) -> None:
     ctx.progress(f"I2V U-Net and frame autoencoder in lock-step, {p.steps} steps")
     engine = ctx.engine(model, p.lr, arms={"unet": model.unet, "ae": model.ae}, steps=p.steps, warmup=p.warmup,
                         decay=p.decay, ema=p.ema)
-    with torch_threads(p.train_threads):
-        ctx.fit("i2v", engine, step_fn, batch_fn, p.steps)
+    ctx.fit("i2v", engine, step_fn, batch_fn, p.steps)  # on the profile's `threads` (1: small videos)
 
 
 # ---- sampling and guidance -------------------------------------------------------------------------------------

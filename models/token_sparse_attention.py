@@ -323,11 +323,10 @@ def train(ctx) -> None:
         acc = (logits[:, -1].argmax(-1) == batch["ans"]).float().mean()
         return loss, {"final_accuracy": float(acc)}
 
-    # one torch thread: batches of 16 x 64 tokens at width 64 are too small for intra-op threads to pay their
-    # hand-offs, and on a shared machine their spin-waits multiply the CPU cost (models/common/threads.py)
-    with torch_threads(1):
-        ctx.fit("lm", ctx.engine(model, p.lr, weight_decay=0.01, steps=p.steps, warmup=p.warmup,
-                                 decay=p.decay), step_fn, batch_fn, p.steps)
+    # on the profile's `threads` (1 in smoke: batches of 16 x 64 tokens at width 64 are too small for intra-op
+    # threads to pay their hand-offs, and their spin-waits multiply the CPU cost)
+    ctx.fit("lm", ctx.engine(model, p.lr, weight_decay=0.01, steps=p.steps, warmup=p.warmup, decay=p.decay),
+            step_fn, batch_fn, p.steps)
 
 
 # ---- evaluate ----------------------------------------------------------------------------------------------
