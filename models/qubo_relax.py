@@ -24,9 +24,9 @@ Deviations from the paper (the abstract states neither its conditions nor its co
   unary slack encoding: with the slack off and an excess r = w^T x - C smaller than half of every chosen item's
   weight, dropping an item overshoots the residual (P w_i (w_i - 2 r) > 0) and adding slack raises it, so the
   infeasible point is a single-flip local minimum (tests/test_qubo_relax.py). A quadratic penalty that meets C2 for
-  general weights is the paper's construction, which the abstract does not give; the claim therefore takes "the
-  knapsack candidate meets C1 + C2" as a premise, which it does not (the experiment cannot test the paper's
-  knapsack statement), and reports the knapsack runs beside it.
+  general weights is the paper's construction, which the abstract does not give. The knapsack comparisons are
+  therefore context (shown, not deciding): a premise "the candidate meets C1 + C2" is false by this proof, whatever
+  the run, and would only hold the open-pit and TSP parts hostage; the claim is decided on open pit and TSP.
 - "Feasible" is the original problem's constraint on the decision variables (knapsack: w^T x <= C; open pit: a
   closure; TSP: a permutation matrix), read from the final iterate rounded at 0.5.
 - C2 for instances above `enum_max` binaries (6-city TSP) is checked on sampled infeasible binaries only.
@@ -58,6 +58,7 @@ from models.contract import Claim, Compare, Paper, PaperParams
 from models.inputs import input_path
 
 PROBLEMS = ("knapsack", "pit", "tsp_small", "tsp_large")
+DECIDING = ("pit", "tsp_small", "tsp_large")  # knapsack is context: our candidate fails C2 by construction
 FORMULATIONS = ("proposed", "naive")
 SOLVERS = ("pgd", "adam")
 STATIONARY_TOL = 1e-6  # a run has converged when its projected gradient's largest entry is below this
@@ -520,9 +521,9 @@ def evaluate(ctx) -> dict[str, float]:
         optima = [r["optimum"] for r in insts]
         if np.isfinite(optima).all():  # unknown above exact_tsp_max cities (a TSPLIB instance): no such metric
             out[f"detail/{problem}/optimum_mean"] = float(np.mean(optima))
-    for solver in SOLVERS:  # the share of runs that reached a stationary point, worst problem x formulation
+    for solver in SOLVERS:  # the share of runs that reached a stationary point, worst deciding problem x formulation
         out[f"detail/{solver}_converged_min"] = min(
-            out[f"{pre}{pr}/{solver}_converged"] for pr in PROBLEMS for pre in ("method/", "baseline/naive/"))
+            out[f"{pre}{pr}/{solver}_converged"] for pr in DECIDING for pre in ("method/", "baseline/naive/"))
     out["method/bin_feas"] = float(np.mean([out[f"method/{pr}/bin_feas"] for pr in PROBLEMS]))
     out["baseline/naive/bin_feas"] = float(np.mean([out[f"baseline/naive/{pr}/bin_feas"] for pr in PROBLEMS]))
     _plot(ctx.plots_dir / "binary_feasible_rates.png", out)
@@ -547,6 +548,13 @@ def _plot(path: Path, out: dict) -> None:
     plt.close(fig)
 
 
+def _parts(pr: str) -> tuple[Compare, ...]:
+    return (Compare(f"method/{pr}/conditions_ok", ">=", 1.0),
+            Compare(f"method/{pr}/pgd_bin_feas", ">=", 0.99),
+            Compare(f"method/{pr}/adam_bin_feas", ">=", 0.99),
+            Compare(f"method/{pr}/bin_feas", ">", f"baseline/naive/{pr}/bin_feas"))
+
+
 PAPER = Paper(
     id="qubo_relax",
     title="Box relaxations of QUBOs whose local minimisers are binary and feasible",
@@ -560,18 +568,13 @@ PAPER = Paper(
         premises=(  # a rate read off runs stopped by the step cap measures the cap, not the local minima
             Compare("detail/pgd_converged_min", ">=", 0.99, name="pgd_converged"),
             Compare("detail/adam_converged_min", ">=", 0.99, name="adam_converged"),
-            # our knapsack candidate is not the paper's construction (not in the abstract); where it fails C1/C2,
-            # the experiment cannot test the paper's knapsack claim
-            Compare("method/knapsack/conditions_ok", ">=", 1.0, name="knapsack_candidate_meets_c1_c2"),
         ),
-        all_of=tuple(itertools.chain.from_iterable((
-            *((Compare(f"method/{pr}/conditions_ok", ">=", 1.0),) if pr != "knapsack" else ()),
-            Compare(f"method/{pr}/pgd_bin_feas", ">=", 0.99),
-            Compare(f"method/{pr}/adam_bin_feas", ">=", 0.99),
-            Compare(f"method/{pr}/bin_feas", ">", f"baseline/naive/{pr}/bin_feas"),
-        ) for pr in PROBLEMS)),
-        summary="per problem (knapsack candidate, open pit, small and large TSP): the proposed relaxation passes "
-                "C1 + C2, >= 99% of PGD and Adam runs end binary and feasible, and the naive relaxation's rate is "
-                "lower; premises: the solvers reached stationary points, the knapsack candidate meets C1 + C2"),
+        all_of=tuple(itertools.chain.from_iterable(_parts(pr) for pr in DECIDING)),
+        context=_parts("knapsack"),  # our candidate fails C2 for any penalty (proved in the docstring and tests)
+        summary="per problem (open pit, small and large TSP): the proposed relaxation passes C1 + C2, >= 99% of PGD "
+                "and Adam runs end binary and feasible, and the naive relaxation's rate is lower; premise: the solvers "
+                "reached stationary points; knapsack (our candidate, not the paper's construction) as context",
+        note="knapsack is context: the squared slack residual fails C2 for any penalty, and the paper's knapsack "
+             "construction is not in the abstract"),
     learns=False,
 )

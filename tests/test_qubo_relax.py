@@ -205,3 +205,13 @@ def test_pgd_line_search_is_monotone_and_beats_the_fixed_step_on_an_ill_conditio
     eta = 1.0 / (2 * torch.linalg.matrix_norm(qt, ord=2))[:, None, None]
     fixed = m._projected(lambda x, g, s: x - eta * g, qt, ct, x0, int(steps.max()))[1]
     assert (fixed >= int(steps.max())).any()  # the fixed step has not converged in as many steps
+
+
+def test_knapsack_is_context_and_the_convergence_premises_read_the_deciding_problems():
+    """Issue 40: the knapsack candidate fails C2 by construction (test above), so its comparisons are context and
+    no premise asks it to meet C1 + C2; the convergence premises cover the problems that decide the claim."""
+    claim = m.PAPER.claim
+    assert [p.name for p in claim.premises] == ["pgd_converged", "adam_converged"]
+    assert not any("knapsack" in n for c in claim.all_of for n in (c.left, *c.right_names))
+    assert {c.left.split("/")[1] for c in claim.all_of} == set(m.DECIDING)
+    assert all("/knapsack/" in c.left for c in claim.context) and len(claim.context) == 4
