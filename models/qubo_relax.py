@@ -29,7 +29,10 @@ Deviations from the paper (the abstract states neither its conditions nor its co
   the run, and would only hold the open-pit and TSP parts hostage; the claim is decided on open pit and TSP.
 - "Feasible" is the original problem's constraint on the decision variables (knapsack: w^T x <= C; open pit: a
   closure; TSP: a permutation matrix), read from the final iterate rounded at 0.5.
-- C2 for instances above `enum_max` binaries (6-city TSP) is checked on sampled infeasible binaries only.
+- C2 for instances above `enum_max` binaries (6-city TSP, smoke's open pit) is checked on sampled infeasible
+  binaries only.
+- smoke's open pit is 6 x 8 blocks, not the spec's 3 x 5: on a 3-row pit the naive relaxation's runs already end
+  binary and feasible almost always, so the comparison with the proposed one could not show anything.
 - Full profile: a larger synthetic knapsack, MineLib's open pit [load_minelib: .upit profits + .prec precedences,
   exact optimum by min cut] and a TSPLIB EUC_2D large TSP [load_tsplib] (distances not rounded to integers;
   Held-Karp only up to `exact_tsp_max` cities, no gap above); Pisinger's generator is replaced by the same uniform
