@@ -183,3 +183,35 @@ def test_squared_residual_knapsack_fails_c2_for_any_penalty_even_with_unary_slac
     assert out["c1"] == 1 and out["c2_counterexamples"] >= 1
     z = np.r_[1.0, 1.0, np.zeros(cap)]  # both items, no slack: w^T x = 11 > 10
     assert ((2 * z @ q + c) * (1 - 2 * z) >= 0).all()  # no coordinate descends
+
+
+def test_pgd_line_search_is_monotone_and_beats_the_fixed_step_on_an_ill_conditioned_qubo():
+    """Issue 40: with knapsack's 2^k slack coefficients ||Q||_2 is large, so the fixed step 1 / (2 ||Q||_2) crawls
+    along the flat, concave directions; the Armijo step (floored at 1 / L) never raises f and reaches a stationary
+    binary point in far fewer steps."""
+    rng = np.random.default_rng(3)
+    w, v = rng.integers(1, 11, 8).astype(float), rng.integers(1, 21, 8).astype(float)
+    q, c = m.knapsack_qubo(w, v, int(0.4 * w.sum()), 5, 0.01)["proposed"]
+    qt, ct = torch.from_numpy(q)[None], torch.from_numpy(c)[None]
+    x0 = torch.from_numpy(rng.random((1, 16, len(c))))
+    f = lambda x: ((x @ qt) * x).sum(-1) + (x * ct[:, None]).sum(-1)  # noqa: E731  (I, R)
+    values = [f(x0)]
+    for cap in (1, 2, 4, 8):
+        values.append(f(m.pgd(qt, ct, x0, cap)[0]))
+    assert all((b <= a + 1e-9).all() for a, b in zip(values, values[1:], strict=False))  # monotone in the step count
+    x, steps = m.pgd(qt, ct, x0, 5000)
+    assert (steps < 5000).all() and (m.projected_gradient(qt, ct, x) < m.STATIONARY_TOL).all()
+    assert (torch.minimum(x, 1 - x).amax(-1) < 1e-3).all()  # C1: no fractional stationary end point
+    eta = 1.0 / (2 * torch.linalg.matrix_norm(qt, ord=2))[:, None, None]
+    fixed = m._projected(lambda x, g, s: x - eta * g, qt, ct, x0, int(steps.max()))[1]
+    assert (fixed >= int(steps.max())).any()  # the fixed step has not converged in as many steps
+
+
+def test_knapsack_is_context_and_the_convergence_premises_read_the_deciding_problems():
+    """Issue 40: the knapsack candidate fails C2 by construction (test above), so its comparisons are context and
+    no premise asks it to meet C1 + C2; the convergence premises cover the problems that decide the claim."""
+    claim = m.PAPER.claim
+    assert [p.name for p in claim.premises] == ["pgd_converged", "adam_converged"]
+    assert not any("knapsack" in n for c in claim.all_of for n in (c.left, *c.right_names))
+    assert {c.left.split("/")[1] for c in claim.all_of} == set(m.DECIDING)
+    assert all("/knapsack/" in c.left for c in claim.context) and len(claim.context) == 4
