@@ -362,6 +362,15 @@ def dqn_loss(nets: SeedNets, b: dict[str, torch.Tensor], gamma: float) -> torch.
     return F.smooth_l1_loss(nets.q(b["s"]).gather(1, b["a"].long()[:, None])[:, 0], y)
 
 
+def freeze(net: nn.Module) -> None:
+    """Take a trained network out of the engine's updates: U's phase shares the DQN's engine, whose optimiser keeps
+    stepping any parameter that still holds a gradient tensor (zeroed, not None) with Adam's stale momentum, which
+    moves Q, and with it the expert and every target U regresses on, while U trains."""
+    for w in net.parameters():
+        w.requires_grad_(False)
+        w.grad = None
+
+
 def u_batch(nets: SeedNets, tr: dict[str, np.ndarray], p: Params, rng: np.random.Generator, size: int):
     """U's inputs and targets: random knowledge states at s0, targets from C completions under the trained Q."""
     cfg = rng.integers(len(tr["start"]), size=size)
@@ -425,6 +434,8 @@ def _train(ctx) -> None:
             metrics[f"{s}/u_loss"] = float(loss.detach())
         return total, metrics
 
+    for s in seeds:
+        freeze(model[s].q)
     ctx.progress(f"uncertainty head U: {p.u_steps} steps on sampled knowledge states")
     ctx.fit("uhead", engine, u_step, u_batches, p.u_steps)
 
