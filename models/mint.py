@@ -41,7 +41,7 @@ Deviations from the paper (choices the abstract left open):
   0.01) so that values propagate across the grid within a few thousand updates.
 - Smoke trains the DQN on twice the spec's environment steps (20,000 over 8 environments, 2,500 updates): the expert
   (full-knowledge greedy Q), the normaliser's top end, still gains success at every evaluation between 1,250 and
-  2,500 updates, so at the spec's 1,250 it is under-trained; beyond 2,500 it gains no more.
+  2,500 updates, so at the spec's 1,250 it is under-trained.
 - Full profile: MiniGrid and Pac-Man are not wired (neither `minigrid` nor `ale-py` is installed); full scales the
   grid world (11 x 11, 6 objects, 3 seeds, 200k DQN steps).
 """
