@@ -3,6 +3,8 @@ names, the tree's question choice and stopping rule, and exact resume of the rol
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 from gymnasium.utils.env_checker import check_env
@@ -166,3 +168,27 @@ def test_uct_searches_question_sequences_and_stops_when_questions_cost_more():
     # at 0.3 a question costs more than it gains (0.25 x 0.7 + 0.75 x 0.033 < 0.25): stop at the root
     costly = p.model_copy(update={"question_cost": 0.3})
     assert mint.mint_uct(nets, ep, costly, seed=0)[2].sum() == 0
+
+
+def test_freeze_keeps_q_fixed_while_a_shared_optimiser_trains_u():
+    """U trains in the DQN's engine: an optimiser that zeroes gradients instead of dropping them would keep moving Q
+    on Adam's stale momentum (it did: the expert's success fell between the DQN and U phases) unless Q is frozen."""
+    torch.manual_seed(0)
+    nets = mint.SeedNets(2, 8)
+    opt = torch.optim.AdamW(nets.parameters(), lr=1e-2)
+    x = torch.randn(16, mint.obs_dim(2))
+    for _ in range(3):  # a few DQN-like steps give Q momentum
+        opt.zero_grad(set_to_none=False)
+        nets.q(x).square().mean().backward()
+        opt.step()
+    moved = copy.deepcopy(nets.q.state_dict())
+    opt.zero_grad(set_to_none=False)
+    opt.step()  # zeroed gradients, no freeze: Adam's momentum still moves Q
+    assert any((moved[k] - v).abs().max() > 0 for k, v in nets.q.state_dict().items())
+    before = copy.deepcopy(nets.q.state_dict())
+    mint.freeze(nets.q)
+    for _ in range(3):  # U's phase
+        opt.zero_grad(set_to_none=False)
+        nets.u(x).square().mean().backward()
+        opt.step()
+    assert all(torch.equal(before[k], v) for k, v in nets.q.state_dict().items())

@@ -178,3 +178,18 @@ def test_premises_name_a_generalising_target_that_leaks_membership():
     ok = {"detail/target_seen_class_test_acc": 0.9, "baseline/global_threshold/auroc": leaky["auroc"]}
     assert all(prem[n].difference(ok)[0] > 0 for n in prem)
     assert prem["membership_leaks"].difference({**ok, "baseline/global_threshold/auroc": 0.5})[0] <= 0
+
+
+def test_query_fraction_one_queries_every_class_h_source_and_n_sources_subsets(tmp_path):
+    """Smoke queries every class-h source (1% FPR rests on the most non-member sources) on a seeded subset of the
+    digits' source images; the seen-class control then has no class-h data left, so smoke runs without it."""
+    labels = np.repeat(np.arange(10), 40)
+    roles = qm.assign_roles(labels, 9, 0.5, np.random.default_rng(7), query_fraction=1.0)
+    assert set(roles[labels == 9]) == {"query_member", "query_nonmember"}
+    p = qm.Params(n_sources=120, variants=2, seed=3)
+    qm.prepare(p, tmp_path)
+    t = qm._load(tmp_path)
+    assert len(np.unique(t["source_id"])) == 120 and len(t["role"]) == 240
+    (tmp_path / "again").mkdir()
+    qm.prepare(p, tmp_path / "again")
+    assert (qm._load(tmp_path / "again")["pixels"] == t["pixels"]).all()  # seeded: the same subset and variants
