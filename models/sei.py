@@ -23,6 +23,12 @@ Deviations from the paper (choices the abstract left open):
 - The full profile reads an image folder + CSV (ISIC layout) as grayscale at `image_size`; it trains the same CNN
   backbones scaled up, not open_clip's RN50 (open_clip and its weights are not installed here).
 - Downstream retraining runs for every score (cheap in lock-step), not only SEI and the best baseline.
+- Smoke trains without pooling (`pool` = the image side) at a higher, cosine-decayed learning rate, so that the
+  networks memorise most mislabeled samples (a premise); the paper's 20 epochs at a constant rate leave them unfit.
+  Smoke skips the threshold-sample runs (`threshold_run`): the hard decision's precision / recall / F1 are reported
+  only, no claim part reads them.
+- The CLIP-style tower trains from scratch (no pretrained image-text weights here), so the clip >= cnn part compares
+  a cosine-prompt head with a linear head, not CLIP's prior (the claim's note says so).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from torch import nn
 from models.common.lockstep import LockStep, masked_mean
 from models.common.plots import roc_curves, split_histogram
 from models.common.tables import read_table, write_table
+from models.common.threads import torch_threads
 from models.contract import Claim, Compare, Paper, PaperParams
 
 PAIR_FLIPS = {1: 7, 7: 1, 3: 8, 8: 3, 5: 6, 6: 5, 4: 9, 9: 4}  # look-alike digits
@@ -70,11 +77,20 @@ class Params(PaperParams):
     epochs: int = Field(20, ge=1, description="Training epochs E of every network.", json_schema_extra={"passes": True})
     batch_size: int = Field(128, ge=2)
     lr: float = Field(3e-3, gt=0)
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning rate after the warm-up.")
+    warmup_epochs: int = Field(0, ge=0, description="Linear warm-up of the learning rate from 0, in epochs.")
     width: int = Field(16, ge=4, description="Channels of the first conv layer (the second has 2x).")
+    pool: int = Field(4, ge=1, description="Side of the trunk's average-pooled map; the image side = no pooling, "
+                                           "so the linear head sees every position (the capacity to memorise).")
+    threshold_run: bool = Field(True, description="Train the threshold-sample networks of SEI's hard decision "
+                                                  "(precision / recall / F1; no claim part reads them).")
     cv_folds: int = Field(3, ge=2, description="Folds of confident learning's out-of-fold predictions.")
     prompt_encoder: Literal["minilm", "random"] = Field("minilm", description="Text tower of the CLIP-style net.")
     downstream_epochs: int = Field(20, ge=1, description="Epochs of the retraining after removing flagged samples.",
                                    json_schema_extra={"passes": True})
+    train_threads: int = Field(1, ge=1, description="Torch intra-op threads of training: the networks are small, so "
+                                                    "a second thread's hand-offs and spin-waits cost more CPU than "
+                                                    "they save.")
 
 
 # ---- data --------------------------------------------------------------------------------------------------
@@ -162,21 +178,21 @@ def hash_of(setting: NoiseSetting) -> int:
 
 # ---- networks ----------------------------------------------------------------------------------------------
 class ConvTrunk(nn.Module):
-    def __init__(self, width: int):
+    def __init__(self, width: int, pool: int = 4):
         super().__init__()
         self.conv1 = nn.Conv2d(1, width, 3, padding=1)
         self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1)
-        self.pool = nn.AdaptiveAvgPool2d(4)
-        self.out_features = 2 * width * 16
+        self.pool = nn.AdaptiveAvgPool2d(pool)
+        self.out_features = 2 * width * pool * pool
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 1, S, S) -> (B, 32 width)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 1, S, S) -> (B, 2 width pool^2)
         return self.pool(F.relu(self.conv2(F.relu(self.conv1(x))))).flatten(1)
 
 
 class PlainCNN(nn.Module):
-    def __init__(self, width: int, num_classes: int):
+    def __init__(self, width: int, num_classes: int, pool: int = 4):
         super().__init__()
-        self.trunk = ConvTrunk(width)
+        self.trunk = ConvTrunk(width, pool)
         self.head = nn.Linear(self.trunk.out_features, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,9 +202,9 @@ class PlainCNN(nn.Module):
 class ClipStyle(nn.Module):
     """Image tower -> 384-d projection; logits = cosine similarity to frozen prompt embeddings x learned scale."""
 
-    def __init__(self, width: int, prompt_embeddings: torch.Tensor):
+    def __init__(self, width: int, prompt_embeddings: torch.Tensor, pool: int = 4):
         super().__init__()
-        self.trunk = ConvTrunk(width)
+        self.trunk = ConvTrunk(width, pool)
         self.proj = nn.Linear(self.trunk.out_features, prompt_embeddings.shape[1])
         self.register_buffer("text", F.normalize(prompt_embeddings, dim=-1))  # (C, 384), frozen
         self.log_scale = nn.Parameter(torch.full((1,), float(np.log(1 / 0.07))))  # (1,): DeepSpeed cannot broadcast 0-d
@@ -279,21 +295,34 @@ def _epoch_batches(n: int, batch_size: int, seed: int, x: torch.Tensor):
     return batch_fn, per_epoch
 
 
+def _engine(ctx, model: LockStep, p: Params, epochs: int, per_epoch: int):
+    """Every network of a phase (method's and baselines' alike) under one schedule, each clipped on its own."""
+    return ctx.engine(model, p.lr, arms=model.nets, steps=epochs * per_epoch, warmup=p.warmup_epochs * per_epoch,
+                      decay=p.lr_schedule)
+
+
 def train(ctx) -> None:
+    with torch_threads(ctx.params.train_threads):  # restored after: the process may run other papers' work
+        _train(ctx)
+
+
+def _train(ctx) -> None:
     p: Params = ctx.params
     d = _load(ctx.data_dir)
     n, k = d["x"].shape[0], d["prompts"].shape[0] - 1
     g = torch.Generator().manual_seed(p.seed)
     thresh = torch.rand(len(d["settings"]), n, generator=g) < 1 / (k + 1)  # (S, N) threshold samples
     fold = torch.randint(0, p.cv_folds, (n,), generator=g)  # CV fold of each train sample
-    build = {"cnn": lambda c: PlainCNN(p.width, c), "clip": lambda c: ClipStyle(p.width, d["prompts"][:c])}
+    build = {"cnn": lambda c: PlainCNN(p.width, c, p.pool),
+             "clip": lambda c: ClipStyle(p.width, d["prompts"][:c], p.pool)}
 
     # (name, labels (N,), loss mask (N,), record slot or -1) for every network of phase 1
     nets, specs, slots = {}, [], {}
     for si, s in enumerate(d["settings"]):
         for b in ("cnn", "clip"):
-            runs = {"main": (d["given"][si], torch.ones(n, dtype=torch.bool), k),
-                    "thresh": (torch.where(thresh[si], k, d["given"][si]), torch.ones(n, dtype=torch.bool), k + 1)}
+            runs = {"main": (d["given"][si], torch.ones(n, dtype=torch.bool), k)}
+            if p.threshold_run:
+                runs["thresh"] = (torch.where(thresh[si], k, d["given"][si]), torch.ones(n, dtype=torch.bool), k + 1)
             runs |= {f"cv{f}": (d["given"][si], fold != f, k) for f in range(p.cv_folds)}
             for run, (labels, mask, classes) in runs.items():
                 name = f"s{si}_{b}_{run}"
@@ -315,7 +344,8 @@ def train(ctx) -> None:
 
     model = LockStep(nets)
     ctx.progress(f"phase detect: {len(nets)} networks in lock-step, {p.epochs} epochs x {per_epoch} steps")
-    ctx.fit("detect", ctx.engine(model, p.lr, arms=model.nets), step_fn, batch_fn, p.epochs * per_epoch, state=state)
+    ctx.fit("detect", _engine(ctx, model, p, p.epochs, per_epoch), step_fn, batch_fn, p.epochs * per_epoch,
+            state=state)
 
     # confident learning: out-of-fold probability of the given label
     cl = {}
@@ -339,12 +369,13 @@ def train(ctx) -> None:
             keep = torch.ones(n, dtype=torch.bool)
             if score != "none":
                 keep[torch.from_numpy(np.argsort(-scores[score], kind="stable")[:top_k].copy())] = False
-            kept[f"s{si}_{score}"] = PlainCNN(p.width, k)
+            kept[f"s{si}_{score}"] = PlainCNN(p.width, k, p.pool)
             down_specs.append((f"s{si}_{score}", d["given"][si], keep, -1))
     specs = down_specs
     down = LockStep(kept)
     batch_fn, per_epoch = _epoch_batches(n, p.batch_size, p.seed + 1, d["x"])
-    ctx.fit("downstream", ctx.engine(down, p.lr, arms=down.nets), step_fn, batch_fn, p.downstream_epochs * per_epoch)
+    ctx.fit("downstream", _engine(ctx, down, p, p.downstream_epochs, per_epoch), step_fn, batch_fn,
+            p.downstream_epochs * per_epoch)
     with torch.no_grad():
         logits = down(d["x_test"].to(ctx.device))
         accuracy = {name: float((out.argmax(-1).cpu() == d["y_test"]).float().mean()) for name, out in logits.items()}
@@ -371,6 +402,7 @@ def evaluate(ctx) -> dict[str, float]:
         for b in ("cnn", "clip"):
             stats = {st: rec["stats"][st][rec["slots"][f"{s}|{b}|main"]] for st in STATS}  # each (E, N)
             add(f"detail/{b}/clean_train_acc", stats["correct"][-1][~noisy].mean())  # fits its clean labels
+            add(f"detail/{b}/noisy_train_acc", stats["correct"][-1][noisy].mean())  # memorised its wrong labels
             scores = detection_scores(stats, rec["cl"][f"{s}|{b}"])
             top_k = max(int(noisy.sum()), 1)
             row = []
@@ -382,14 +414,16 @@ def evaluate(ctx) -> dict[str, float]:
                 add(f"{prefix}{b}_p_at_k", noisy[np.argsort(-score, kind="stable")[:top_k]].mean())
                 detail[f"detail/{s}/{name}/{b}_auroc"] = auroc
                 row.append(f"{auroc:.3f}")
-            t_stats = {st: rec["stats"][st][rec["slots"][f"{s}|{b}|thresh"]] for st in STATS}
-            t_sei = signed_entropy_integral(t_stats["entropy"], t_stats["prob_margin"])
-            is_t = rec["thresh"][si]
-            flagged = hard_decision(t_sei, is_t)[~is_t]
-            prf = _prf(flagged, noisy[~is_t])
-            for metric, value in zip(("precision", "recall", "f1"), prf, strict=True):
-                add(f"method/{b}_{metric}", value)
-            lines.append(f"| {s} | {b} | " + " | ".join(row) + " | " + " / ".join(f"{v:.2f}" for v in prf) + " |")
+            hard = "-"  # without the threshold-sample runs there is no hard decision
+            if f"{s}|{b}|thresh" in rec["slots"]:
+                t_stats = {st: rec["stats"][st][rec["slots"][f"{s}|{b}|thresh"]] for st in STATS}
+                t_sei = signed_entropy_integral(t_stats["entropy"], t_stats["prob_margin"])
+                is_t = rec["thresh"][si]
+                prf = _prf(hard_decision(t_sei, is_t)[~is_t], noisy[~is_t])
+                for metric, value in zip(("precision", "recall", "f1"), prf, strict=True):
+                    add(f"method/{b}_{metric}", value)
+                hard = " / ".join(f"{v:.2f}" for v in prf)
+            lines.append(f"| {s} | {b} | " + " | ".join(row) + f" | {hard} |")
             roc_curves(ctx.plots_dir / f"roc_{s}_{b}.png", noisy,
                        {("SEI" if k_ == "sei" else k_): v for k_, v in scores.items()}, f"{s}, {b}: mislabeled")
             split_histogram(ctx.plots_dir / f"sei_{s}_{b}.png", -scores["sei"], noisy.astype(bool),
@@ -418,8 +452,10 @@ def _entropy_plot(path: Path, rec: dict, setting: str, noisy: np.ndarray) -> Non
     plt.close(fig)
 
 
-STAND_IN = ("clip = a CNN image tower scored by cosine similarity to frozen MiniLM embeddings of the prompts "
-            "'an image of class c', standing in for CLIP RN50 (not installed here)")
+STAND_IN = ("clip = a randomly initialised CNN image tower scored by cosine similarity to frozen MiniLM embeddings "
+            "of the prompts 'a handwritten digit c', standing in for CLIP RN50 (no pretrained image-text weights can "
+            "be installed here): both towers train from scratch, so the clip >= cnn part compares a cosine-prompt "
+            "head with a linear head and says nothing about CLIP's image-text prior")
 
 
 PAPER = Paper(
@@ -435,6 +471,13 @@ PAPER = Paper(
         premises=(  # the experiment tests SEI only if the detectors' networks learned the task at all
             Compare("detail/cnn/clean_train_acc", ">=", 0.9, name="cnn_fits_clean_labels"),
             Compare("detail/clip/clean_train_acc", ">=", 0.9, name="clip_fits_clean_labels"),
+            # SEI's effect lives where the network comes to fit the wrong labels: mislabeled samples keep high
+            # entropy over training although they end up predicted as labelled. If most are never fit, the final
+            # epoch's label disagreement alone flags them and the test is of an easier regime; a majority of the
+            # mislabeled samples fit (training forward pass, last epoch) is the smallest bar at which the
+            # final-epoch statistics no longer separate them on their own
+            Compare("detail/cnn/noisy_train_acc", ">=", 0.5, name="cnn_memorises_noisy_labels"),
+            Compare("detail/clip/noisy_train_acc", ">=", 0.5, name="clip_memorises_noisy_labels"),
             Compare("baseline/no_removal/downstream_acc", ">", 0.1, name="downstream_above_chance"),
             Compare("method/downstream_acc", ">", 0.1, name="sei_downstream_above_chance"),
         ),
@@ -443,8 +486,7 @@ PAPER = Paper(
             Compare("method/clip_auroc", ">", tuple(f"baseline/{b}/clip_auroc" for b in BASELINES)),
             Compare("method/clip_auroc", ">=", "method/cnn_auroc"),
         ),
-        summary="SEI beats every baseline's AUROC for both backbones, and CLIP-style SEI >= plain-CNN SEI (the "
-                "CLIP-style tower scores against frozen MiniLM prompts 'an image of class c', standing in for CLIP "
-                "RN50's text tower)",
+        summary="SEI beats every baseline's AUROC for both backbones, and CLIP-style SEI >= plain-CNN SEI (an "
+                "untrained CNN tower against frozen MiniLM class prompts, not CLIP RN50)",
         note=STAND_IN),
 )

@@ -177,3 +177,19 @@ def test_edm_premises_guard_only_the_chemistry_parts():
     undecided = {p.text.split()[0] for p in result.parts if p.undecided_by}
     assert undecided == {"method/validity", "method/mol_stability"}
     assert result.verdict == FAILS
+
+
+def test_arms_subset_keeps_the_claims_arms():
+    """Smoke trains only the arms the claim reads (EDM, global rescale, the claim's StP form); a profile that drops
+    one of them is refused before any work starts."""
+    p = stp.Params(arms=("edm", "global", "stp_power_law"), layers=1, hidden=8)
+    scales = {"power_law": np.linspace(0.2, 2.0, 17), "table": np.linspace(0.3, 1.5, 17), "global": np.array(1.7)}
+    model = stp.Diffusion(p, scales)
+    assert set(model.nets) == {"edm", "global", "stp_power_law"}
+    n = torch.tensor([4, 7])
+    assert torch.allclose(model.noise_scale("stp_power_law", n).flatten(), torch.tensor(scales["power_law"][[4, 7]],
+                                                                                         dtype=torch.float32))
+    with pytest.raises(ValueError, match="arms"):
+        stp.Params(arms=("edm", "stp_power_law"))
+    with pytest.raises(ValueError, match="arms"):
+        stp.Params(scale="table", arms=("edm", "global", "stp_power_law"))
