@@ -40,7 +40,7 @@ Deviations from the paper (choices the spec left open):
   parametrisation, the schedule and the EMA (every arm alike). The epsilon-parametrised DDPM of T = 1000 (linear)
   that the module first used generated noise at smoke size: x0_hat = (x_t - sqrt(1 - abar) eps_hat) / sqrt(abar)
   divides the eps error by sqrt(abar) ~ 0.006 at the first DDIM step, and 300 steps did not train it down. The EMA
-  decay is scaled to the run's length (smoke averages over the last ~50 of 300 steps; full keeps the authors' 0.999).
+  decay is scaled to the run's length (smoke's 0.98 averages over its last ~50 steps; full keeps the authors' 0.999).
   Kept (the spec's choices, not retuned): the residual weight w(t) = abar_t, which also grows with the
   signal-to-noise ratio but is bounded by 1 where 1/(2 sigma_t^2) reaches 1/(2 (1 - abar_1)) at the smallest t; and
   L_REPA sums over the heads, so with H decoder heads the per-head weight is H times the authors' at the same c_proj.
