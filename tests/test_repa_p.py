@@ -66,10 +66,10 @@ def test_arm_losses_differ_by_exactly_the_physics_terms():
          "g": torch.rand(3, 8, 8), "t": torch.tensor([1, 20, 45]), "noise": torch.randn(3, 2, 8, 8)}
     loss = model(b)
     x_t = rp.dm.q_sample(b["x"], b["t"], b["noise"], model.alphas_cumprod)
-    eps, feats = model.eps("repa_p", x_t, b["t"], b["cond"], features=True)
+    eps, x0_hat, feats = model.denoise("repa_p", x_t, b["t"], b["cond"], features=True)
+    assert torch.allclose(x0_hat, rp.dm.predict_x0(x_t, b["t"], eps, model.alphas_cumprod))
     ab = model.alphas_cumprod[b["t"]]
-    out_term = 0.5 * (ab * model.residual(rp.dm.predict_x0(x_t, b["t"], eps, model.alphas_cumprod),
-                                          b["f"], b["g"])).mean()
+    out_term = 0.5 * (ab * model.residual(x0_hat, b["f"], b["g"])).mean()
     head_term = sum(0.25 * (ab * model.residual(h(feats[n]), b["f"], b["g"])).mean()
                     for n, h in model.heads["repa_p"].items())
     assert set(model.heads["repa_p"]) == {"dec0", "dec1"}  # all decoder levels by default
@@ -111,3 +111,26 @@ def test_claim_is_inconclusive_when_pidm_is_untrained():
     assert claim.decide([replicate(r, 0.02) for r in range(3)]).verdict == "holds"
     noise = claim.decide([replicate(r, 1.0) for r in range(3)])
     assert noise.verdict == "inconclusive" and "pidm_trained" in noise.reason
+
+
+def test_x0_prediction_trains_on_x0_and_its_ddim_recovers_the_data_on_a_short_cosine_schedule():
+    """x0-prediction (the authors' parametrisation): L_diff is the x0 error, and eps_hat follows from x_t. With an
+    oracle x0 DDIM returns the data even on a cosine schedule of T = 100, whose last abar (~1e-6) makes an
+    epsilon-parametrised x0_hat divide by sqrt(abar)."""
+    torch.manual_seed(0)
+    p = _params(prediction="sample", schedule="cosine", ddpm_steps=100, ddim_steps=10)
+    model = rp.Arms(p, {"a_mean": 0.0, "a_std": 1.0, "p_mean": 0.0, "p_std": 1.0})
+    assert float(model.alphas_cumprod[-1]) < 1e-4
+    b = {"x": torch.randn(3, 2, 8, 8), "cond": torch.randn(3, 2, 8, 8), "f": torch.ones(3, 8, 8),
+         "g": torch.rand(3, 8, 8), "t": torch.tensor([0, 50, 99]), "noise": torch.randn(3, 2, 8, 8)}
+    x_t = rp.dm.q_sample(b["x"], b["t"], b["noise"], model.alphas_cumprod)
+    eps, x0_hat = model.denoise("vanilla", x_t, b["t"], b["cond"])
+    assert torch.allclose(rp.dm.q_sample(x0_hat, b["t"], eps, model.alphas_cumprod), x_t, atol=1e-4)
+    assert torch.isclose(model(b)["vanilla"], (x0_hat - b["x"]).pow(2).mean(), rtol=1e-5)
+
+    target = torch.randn(1, 2, 8, 8)
+    for arm in ("vanilla", "repa_p"):  # an oracle that always predicts the one data point
+        model.nets[arm].forward = lambda inp, t, features=False: ((target.expand(len(inp), -1, -1, -1), {})
+                                                                   if features else target.expand(len(inp), -1, -1, -1))
+    out = model.sample("repa_p", torch.zeros(4, 2, 8, 8), torch.Generator().manual_seed(1))
+    assert torch.allclose(out, target.expand(4, -1, -1, -1), atol=1e-3)
