@@ -95,6 +95,9 @@ class Params(PaperParams):
                                                      "per cell (a log-prior, scaled by 1/G with the ELBO).")
     lambda_a: float = Field(0.01, ge=0, description="L1 penalty on the SCM matrix A (as lambda_l0).")
     kl_warmup: int = Field(100, ge=0, description="Steps of linear KL warm-up.")
+    gate_warmup: int = Field(0, ge=0, description="Steps for which the gate logits stay frozen open and the L0 "
+                                                  "penalty is off, so the effects grow before the gates can close.")
+    effect_init: float = Field(0.1, gt=0, description="Std of the effects' initial N(0, std^2) entries.")
     sweep_rho: list[float] = Field([0.5], description="rho_inv of the sweep's further synthetic worlds (the same "
                                    "draw but for rho_inv); PerturbedVAE and the cVAE also train on each.")
     ablations: bool = Field(True, description="Train the two ablations (no masks, no adversary); no claim reads "
@@ -318,7 +321,7 @@ class PerturbedVAE(nn.Module):
         self.enc_inv, self.enc_p = _mlp(genes, hidden, 2 * D_INV), _mlp(genes, hidden, 2 * D_P)
         self.decoder = _mlp(D_INV + D_P, hidden, genes)
         self.log_theta = nn.Parameter(torch.zeros(genes))
-        self.effects = nn.Parameter(0.1 * torch.randn(singles, D_P))  # e_g
+        self.effects = nn.Parameter(p.effect_init * torch.randn(singles, D_P))  # e_g
         self.log_alpha = nn.Parameter(torch.full((singles, D_P), 1.0))  # hard-concrete gate logits
         self.a_raw = nn.Parameter(torch.zeros(D_P, D_P))
         self.register_buffer("order", torch.triu(torch.ones(D_P, D_P), 1))  # fixed causal order
@@ -327,9 +330,10 @@ class PerturbedVAE(nn.Module):
     def a(self) -> torch.Tensor:
         return self.a_raw * self.order  # strictly upper-triangular
 
-    def gates(self) -> torch.Tensor:
-        ones = torch.ones_like(self.log_alpha)
-        return hard_concrete(self.log_alpha, self.training) if self.use_masks else ones  # (K, 8)
+    def gates(self, frozen: bool = False) -> torch.Tensor:
+        """(K, 8) gates; `frozen`: sampled from the logits without a gradient to them (the gates' warm-up)."""
+        log_alpha = self.log_alpha.detach() if frozen else self.log_alpha
+        return hard_concrete(log_alpha, self.training) if self.use_masks else torch.ones_like(log_alpha)
 
     def encode(self, x: torch.Tensor):
         xl = log_normalise(x)
@@ -345,12 +349,15 @@ class PerturbedVAE(nn.Module):
         mi, lvi, mp, lvp = self.encode(x)
         z_inv = mi + torch.randn_like(mi) * (0.5 * lvi).exp()
         z_p = mp + torch.randn_like(mp) * (0.5 * lvp).exp()
-        shift = pert @ (self.gates() * self.effects)  # (B, 8): sum over g in P of m_g * e_g
+        # the gates' warm-up: the only early gradient every gate logit shares is the L0 penalty's, which Adam turns
+        # into a step of about lr each, so without it the gates close before the effects have grown
+        gate_warm = int(step) < self.p.gate_warmup
+        shift = pert @ (self.gates(frozen=gate_warm) * self.effects)  # (B, 8): sum over g in P of m_g * e_g
         kl = 0.5 * (mi**2 + lvi.exp() - 1 - lvi).sum(-1) + kl_scm_prior(mp, lvp, shift, self.a())
         nll = -nb_log_prob(x, self.decode_mean(z_inv, z_p, x.sum(-1)), self.log_theta.exp())  # (B, G)
         warm = min(1.0, (float(step) + 1) / max(self.p.kl_warmup, 1))
         prior = self.p.lambda_a * self.a().abs().sum()
-        if self.use_masks:
+        if self.use_masks and not gate_warm:
             prior = prior + self.p.lambda_l0 * l0_penalty(self.log_alpha)
         loss = elbo_per_gene(nll, kl, warm, prior)
         if self.use_adv:

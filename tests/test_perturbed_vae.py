@@ -216,3 +216,31 @@ def test_sweep_world_is_the_same_draw_at_another_rho(tmp_path):
     model.nets = torch.nn.ModuleDict({k: model.nets[k] for k in ("cvae", "cvae_rho50")})
     model(batch)
     assert seen["cvae"].sum() == 0 and seen["cvae_rho50"].sum() == 60  # each arm reads its own world's batch
+
+
+def test_gate_warmup_freezes_the_gate_logits_and_leaves_out_l0():
+    """Before `gate_warmup` the gate logits get no gradient (L0 off, gates sampled from frozen logits), so they
+    cannot close while the effects are still small; from then on the L0 penalty acts and they train."""
+    p = pv.Params(gate_warmup=5, lambda_adv=0.0, effect_init=1.0)
+    torch.manual_seed(0)
+    net = pv.PerturbedVAE(12, 3, 4, 16, p)
+    assert 0.7 < float(net.effects.std()) < 1.3  # effects start at the prior's unit scale
+    x = torch.poisson(torch.full((32, 12), 20.0))
+    pert = torch.zeros(32, 3)
+    pert[:16, 0] = 1.0
+
+    def grads(step: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        net.zero_grad()
+        batch = {"x": x, "P": pert, "cond": torch.zeros(32, dtype=torch.long), "step": torch.full((32,), step)}
+        torch.manual_seed(1)
+        net(batch).backward()
+        return net.log_alpha.grad, net.effects.grad
+
+    la, eff = grads(4)
+    assert la is None and eff[0].abs().sum() > 0  # effects learn during the warm-up, the gates do not
+    la, _ = grads(5)
+    assert la is not None and la.abs().sum() > 0
+    # with no perturbed cell the only gradient to the logits is the L0 penalty's: every gate is pushed shut
+    pert.zero_()
+    la, _ = grads(5)
+    assert (la > 0).all()

@@ -84,8 +84,10 @@ def test_prepare_injects_both_noise_sources(tmp_path):
 
 
 def test_checkpoint_selection_uses_validation_and_ignores_stale_snapshots(tmp_path):
-    chosen = udpd.select_on_validation({"a": [0.2, 0.6, 0.4], "b": [0.5, 0.3, 0.5], "c": [0.1]})
-    assert chosen == {"a": 1, "b": 2, "c": 0}  # best validation accuracy; the latest among ties
+    chosen = udpd.select_on_validation({"a__d0": [0.2, 0.6, 0.4], "b__d0": [0.5, 0.3, 0.5], "c__d0": [0.1],
+                                        "a__d1": [0.3, 0.5, 0.5], "c__d1": [0.1]})
+    # best validation accuracy over the grid and the steps; the latest step, then the later grid point, among ties
+    assert chosen == {"a": ("a__d0", 1), "b": ("b__d0", 2), "c": ("c__d1", 0)}
     from tasks.context import EvalContext, TrainContext
 
     p = _params(steps=150, select_every=25)
@@ -93,3 +95,39 @@ def test_checkpoint_selection_uses_validation_and_ignores_stale_snapshots(tmp_pa
         TrainContext(p, tmp_path, tmp_path).save_record(f"{udpd.SNAPSHOT}{step:06d}", {})
     cands = udpd._candidates(EvalContext(p, tmp_path, tmp_path, tmp_path), p)
     assert cands == [(25, "snapshot_step000025"), (50, "snapshot_step000050"), (150, None)]  # None: the final network
+
+
+def test_training_draws_every_diffusion_step_and_inference_starts_at_t_star(tmp_path, monkeypatch):
+    """Training keeps the spec's full range t ~ U{0..T-1}: restricting it to t <= t* (the steps inference visits)
+    was probed on the smoke graphs and trained worse classifiers."""
+    p = _params(diffusion_steps=20)
+    g = _graph(tmp_path, p)
+    torch.manual_seed(0)
+    net = udpd.UDPD(p, g["x"].shape[1], g["pe"].shape[1], 3, "udpd")
+    seen = []
+    guided = net.guided_eps
+    monkeypatch.setattr(net, "guided_eps", lambda zs, zg, t, ei: (seen.append(t), guided(zs, zg, t, ei))[1])
+    labelled = torch.arange(10)
+    for _ in range(10):
+        net.loss(g["x"], g["pe"], g["ei"], g["y"], labelled, torch.arange(len(g["y"])))
+    t = torch.cat(seen)
+    assert int(t.max()) == p.diffusion_steps - 1 and int(t.min()) == 0 and net.t_star == 10
+
+
+def test_every_arm_trains_once_per_dropout_rate_of_the_grid(tmp_path):
+    p = _params(dropouts=[0.0, 0.5])
+    udpd.prepare(p, tmp_path)
+    graphs = udpd._load(tmp_path)
+    model = udpd.AllNets(p, graphs)
+    arms = {udpd._parse(n)[1] for n in model.nets}
+    assert arms == {"udpd", *udpd.ABLATIONS, *udpd.BASELINES}
+    for arm in arms:  # the same grid for the method and every baseline
+        assert sorted(net.dropout for n, net in model.nets.items() if udpd._parse(n)[1] == arm) == [0.0, 0.5]
+    g = graphs[0]
+    net = model.nets["g0_s0_udpd__d1"].train()
+    torch.manual_seed(0)
+    a = net.encode(g["x"], g["pe"], g["ei"])[0]
+    b = net.encode(g["x"], g["pe"], g["ei"])[0]
+    assert not torch.allclose(a, b)  # the text features are dropped in training ...
+    net.eval()
+    assert torch.allclose(net.encode(g["x"], g["pe"], g["ei"])[0], net.encode(g["x"], g["pe"], g["ei"])[0])
