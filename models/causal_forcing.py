@@ -26,7 +26,8 @@ What it implements (function names in brackets):
   from T_bi) trained online by flow matching on student clips, `fake_updates` fake steps per generator step
   [dmd_loss, train]. Every network lives in one module and one DeepSpeed engine; each stage trains its part and
   freezes the rest [Pipeline, freeze_all_but];
-- metrics: dynamic degree (centroid motion > 0.5 px/frame), frame fidelity (best single-blob template correlation),
+- metrics: dynamic degree (centroid motion > 0.5 px/frame) and its distance to the real clips' (the claim reads the
+  distance: jittering frames raise the degree too), frame fidelity (best single-blob template correlation),
   instruction following (classifier accuracy), sliced W2 to held-out real clips, and the injectivity diagnostic:
   held-out ODE regression MSE of each student [centroids, blob_fidelity, sliced_w2, ode_residual].
 
@@ -482,6 +483,11 @@ def dynamic(x: torch.Tensor, threshold: float = 0.5) -> torch.Tensor:
     return (c[:, 1:] - c[:, :-1]).norm(dim=-1).mean(1) > threshold
 
 
+def dynamic_gap(x: torch.Tensor, real: torch.Tensor) -> float:
+    """|dynamic degree of x - the real clips'|: a sampler whose frames jitter scores a high degree but a large gap."""
+    return abs(float(dynamic(x).float().mean()) - float(dynamic(real).float().mean()))
+
+
 def blob_fidelity(x: torch.Tensor, step: float = 0.25) -> torch.Tensor:
     """(N, F, 64) -> (N,) mean over frames of the best correlation with a single-blob template; the least-squares
     fit over amplitude and offset at a position is this correlation, so the best position maximises it."""
@@ -533,11 +539,11 @@ def evaluate(ctx) -> dict[str, float]:
              "teacher_ar": curate_pairs(teachers.ar, eps, prompt, p.euler_steps)[1]}  # as in its pairs
     clips = {k: to_pixels(v) for k, v in clips.items()}  # (N, F, 64) pixels in [0, 1]
     real = to_pixels(d["x"][d["test"]])
-    dd_real = float(dynamic(real).float().mean())
     out: dict[str, float] = {}
     for arm, x in {**clips, "real": real}.items():
         target = prompt if arm != "real" else d["prompt"][d["test"]]
-        m = {"dynamic_degree": float(dynamic(x).float().mean()), "frame_fidelity": float(blob_fidelity(x).mean()),
+        m = {"dynamic_degree": float(dynamic(x).float().mean()), "dynamic_gap": dynamic_gap(x, real),
+             "frame_fidelity": float(blob_fidelity(x).mean()),
              "instruction_acc": float((teachers.cls(to_model(x)).argmax(1) == target).float().mean()),
              "sw2": sliced_w2(x, real, p.seed)}
         prefix = {"causal_forcing": "method/", "real": "detail/real/"}.get(arm, f"baseline/{arm}/")
@@ -546,7 +552,7 @@ def evaluate(ctx) -> dict[str, float]:
     as_paired = {"teacher_bi": to_pixels(curate_pairs(teachers.bi, eps, prompt, p.euler_steps)[1]),
                  "teacher_ar": clips["teacher_ar"]}
     for arm, x in as_paired.items():
-        out[f"detail/{arm}/dynamic_gap"] = abs(float(dynamic(x).float().mean()) - dd_real)
+        out[f"detail/{arm}/dynamic_gap"] = dynamic_gap(x, real)
 
     # injectivity diagnostic: what each ODE student cannot regress away on held-out pairs of its own teacher
     eps_h, prompt_h = pair_noise(p, p.n_pairs_heldout, 1)
@@ -626,11 +632,11 @@ PAPER = Paper(
         Compare("detail/teacher_bi/dynamic_gap", "<", DYNAMIC_GAP, name="teacher_bi_dynamic_near_real"),
         Compare("detail/teacher_ar/dynamic_gap", "<", DYNAMIC_GAP, name="teacher_ar_dynamic_near_real"),
     ), all_of=(
-        Compare("method/dynamic_degree", ">", "baseline/self_forcing/dynamic_degree"),
+        Compare("method/dynamic_gap", "<", "baseline/self_forcing/dynamic_gap"),
         Compare("method/frame_fidelity", ">", "baseline/self_forcing/frame_fidelity"),
         Compare("method/instruction_acc", ">", "baseline/self_forcing/instruction_acc"),
         Compare("baseline/self_forcing/ode_residual", ">", "method/ode_residual"),
     ), summary="Causal Forcing (AR-teacher ODE init + DMD) beats Self Forcing (bidirectional ODE init + the same "
-               "DMD) on dynamic degree, frame fidelity and instruction following; the bi-pair ODE residual exceeds "
-               "the AR-pair one"),
+               "DMD) on dynamic degree (closer to the real clips' motion), frame fidelity and instruction following; "
+               "the bi-pair ODE residual exceeds the AR-pair one"),
 )

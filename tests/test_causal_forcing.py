@@ -145,6 +145,22 @@ def test_scorers_on_rendered_clips():
     assert float(cf.blob_fidelity(doubled)[0]) < 0.9
 
 
+def test_dynamic_gap_charges_jitter_that_dynamic_degree_rewards():
+    """A static prompt whose blob jumps between frames counts as dynamic; the gap to the real clips' degree (what the
+    claim reads) charges it, while a faithful copy of the real clips has no gap."""
+    rng = np.random.default_rng(0)
+    static = [cf.render_clip(0, 0, 0.0, *rng.uniform(2, 5, 2), 4) for _ in range(8)]
+    moving = [cf.render_clip(1, 1, 1.0, 1.0, *rng.uniform(2, 5, 1), 4) for _ in range(8)]
+    real = torch.from_numpy(np.stack(static + moving)).float()
+    jumps = rng.uniform(1, 6, (8, 4, 2))  # a fresh position every frame
+    jitter = torch.from_numpy(np.stack([cf.blob(j[:, 0], j[:, 1]).reshape(4, 64) for j in jumps])).float()
+    jittery = torch.cat([jitter, real[8:]])
+    assert float(cf.dynamic(real).float().mean()) == 0.5
+    assert float(cf.dynamic(jittery).float().mean()) > 0.9  # more "dynamic" than the data
+    assert cf.dynamic_gap(real, real) == 0.0
+    assert cf.dynamic_gap(jittery, real) > 0.4
+
+
 def test_sliced_w2_known_values():
     a = torch.randn(400, 16, generator=torch.Generator().manual_seed(5))
     assert cf.sliced_w2(a, a, seed=0) == pytest.approx(0.0, abs=1e-9)
