@@ -66,6 +66,14 @@ def test_ar_pairs_are_injective_per_frame_and_bidirectional_pairs_are_not():
     assert states_bi.shape == (3, len(cf.LEVELS), 4, 64) and torch.allclose(states_bi[:, 0], eps)
 
 
+def test_a_bidirectional_teachers_weights_load_into_a_block_causal_student():
+    """student_bi starts from T_bi's weights: the same parameter layout, only the attention mask differs."""
+    bi, _ = _nets()
+    student = cf.build(P, True)
+    student.load_state_dict(bi.state_dict())  # strict: every key matches
+    assert student.causal and all(torch.equal(a, b) for a, b in zip(student.parameters(), bi.parameters(), strict=True))
+
+
 def test_pair_inputs_gather_each_frames_own_level():
     states = torch.arange(2 * 4 * 3 * 64, dtype=torch.float32).reshape(2, 4, 3, 64)
     clean = torch.randn(2, 3, 64)
