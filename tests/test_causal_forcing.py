@@ -66,6 +66,14 @@ def test_ar_pairs_are_injective_per_frame_and_bidirectional_pairs_are_not():
     assert states_bi.shape == (3, len(cf.LEVELS), 4, 64) and torch.allclose(states_bi[:, 0], eps)
 
 
+def test_a_bidirectional_teachers_weights_load_into_a_block_causal_student():
+    """student_bi starts from T_bi's weights: the same parameter layout, only the attention mask differs."""
+    bi, _ = _nets()
+    student = cf.build(P, True)
+    student.load_state_dict(bi.state_dict())  # strict: every key matches
+    assert student.causal and all(torch.equal(a, b) for a, b in zip(student.parameters(), bi.parameters(), strict=True))
+
+
 def test_pair_inputs_gather_each_frames_own_level():
     states = torch.arange(2 * 4 * 3 * 64, dtype=torch.float32).reshape(2, 4, 3, 64)
     clean = torch.randn(2, 3, 64)
@@ -143,6 +151,22 @@ def test_scorers_on_rendered_clips():
     doubled = torch.from_numpy(cf.blob(np.array([1.5]), np.array([3.0])) + cf.blob(np.array([5.5]), np.array([3.0])))
     doubled = doubled.reshape(1, 1, 64).expand(1, 4, 64).float()
     assert float(cf.blob_fidelity(doubled)[0]) < 0.9
+
+
+def test_dynamic_gap_charges_jitter_that_dynamic_degree_rewards():
+    """A static prompt whose blob jumps between frames counts as dynamic; the gap to the real clips' degree (what the
+    claim reads) charges it, while a faithful copy of the real clips has no gap."""
+    rng = np.random.default_rng(0)
+    static = [cf.render_clip(0, 0, 0.0, *rng.uniform(2, 5, 2), 4) for _ in range(8)]
+    moving = [cf.render_clip(1, 1, 1.0, 1.0, *rng.uniform(2, 5, 1), 4) for _ in range(8)]
+    real = torch.from_numpy(np.stack(static + moving)).float()
+    jumps = rng.uniform(1, 6, (8, 4, 2))  # a fresh position every frame
+    jitter = torch.from_numpy(np.stack([cf.blob(j[:, 0], j[:, 1]).reshape(4, 64) for j in jumps])).float()
+    jittery = torch.cat([jitter, real[8:]])
+    assert float(cf.dynamic(real).float().mean()) == 0.5
+    assert float(cf.dynamic(jittery).float().mean()) > 0.9  # more "dynamic" than the data
+    assert cf.dynamic_gap(real, real) == 0.0
+    assert cf.dynamic_gap(jittery, real) > 0.4
 
 
 def test_sliced_w2_known_values():
