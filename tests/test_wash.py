@@ -160,3 +160,4 @@ def test_unigram_level_and_claim_context():
     assert context == {"method/passes_per_char", "method/tv"}  # a count and a triangle inequality: not evidence
     premises = {c.name: c for c in wash.PAPER.claim.premises}
     assert premises["reference_lm_learned"].guards == ("method/ppl",)
+    assert premises["alignment_faithful"].guards == ("method/ppl",) and premises["alignment_faithful"].scale == 1.1
