@@ -129,7 +129,8 @@ class Params(PaperParams):
                                                     "at batch 32 spends more CPU on thread hand-offs than it saves.")
     temperature: float = Field(0.05, gt=0, description="InfoNCE temperature.")
     max_false_hit: float = Field(0.05, gt=0, lt=1, description="Each cache's tau: the lowest with at most this "
-                                 "false-hit rate on public calibration queries (the guesses), never victims.")
+                                 "false-hit rate on public calibration queries (the guesses, own intent left "
+                                 "out), never victims.")
     tau_sweep: list[float] = Field(min_length=2, description="Taus of E1's trade-off curve.")
     jaccard: float = Field(0.3, ge=0, le=1, description="Lexical verification: content-word Jaccard threshold.")
 
@@ -394,13 +395,14 @@ def hijack_rates(emb: dict[str, np.ndarray], q: dict, attack: dict[int, str], ta
 
 
 def calibrate_tau(e: np.ndarray, q: dict, max_false: float) -> float:
-    """The operator's tau: the lowest on a 0.01 grid whose false-hit rate on the calibration queries is <= max_false."""
+    """The operator's tau: the lowest on a 0.01 grid at which at most max_false of the calibration queries would be
+    served ANOTHER intent's entry were their own intent not cached yet (leave-intent-out: a novel query must miss;
+    a cache holding the query's own intent would mask it, and the attack runs exactly while it is absent)."""
     keys, calib = np.flatnonzero(q["role"] == "warm"), np.flatnonzero(q["role"] == "guess")
     sims = e[calib] @ e[keys].T  # (G, K)
-    top = sims.argmax(1)
-    wrong = q["intent_id"][keys][top] != q["intent_id"][calib]
+    other = np.where(q["intent_id"][keys][None, :] != q["intent_id"][calib][:, None], sims, -np.inf).max(1)  # (G,)
     for tau in np.arange(0.30, 1.0, 0.01):
-        if (wrong & (sims.max(1) >= tau)).mean() <= max_false:
+        if (other >= tau).mean() <= max_false:
             return float(round(tau, 2))
     return 0.99
 
@@ -448,7 +450,7 @@ def evaluate(ctx) -> dict[str, float]:
                 per["random"][t] = random_search(score, payload, guesses, pool, budget[sur], sp, rng)
                 per["naive"][t] = f"{payload} {guesses[0]}"
             curves.setdefault(sur, []).append(log)
-        ctx.progress(f"surrogate {sur}: {len(attacked)} intents attacked, {budget[sur]} surrogate queries each")
+        ctx.progress(f"surrogate {sur}: {len(per['cacheattack'])} intents attacked, {budget[sur]} queries each")
 
     wraps = lambda i, t: AGENT_WRAPPERS[i % len(AGENT_WRAPPERS)].format(q=t)  # noqa: E731
     texts = list(q["text"])

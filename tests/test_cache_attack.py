@@ -176,3 +176,11 @@ def test_claim_floors_and_context():
     guards = {c.name: c.guards for c in claim.premises}
     assert guards["transfer_1_off_floor"] == ("method/transfer_1",)
     assert guards["transfer_2_off_floor"] == ("method/transfer_2",)
+
+
+def test_calibrated_tau_rejects_novel_intents():
+    """Leave-intent-out: tau sits above every calibration query's similarity to other intents' keys, even where
+    the top-1 key (its own intent's) is always right, so an empty grid start (0.30) is not chosen."""
+    e = np.array([[1, 0, 0], [0, 1, 0], [0.8, 0.6, 0], [0.6, 0.8, 0]], np.float32)  # warm a, warm b, guess a, guess b
+    q = {"role": np.array(["warm", "warm", "guess", "guess"]), "intent_id": np.array([0, 1, 0, 1])}
+    assert ca.calibrate_tau(e, q, 0.05) == 0.61  # other-intent similarities are both 0.6
