@@ -153,3 +153,34 @@ def test_local_victim_encoder_loads_a_saved_sentence_transformer(tmp_path):
     assert e1.shape == (2, 16) and np.allclose(np.linalg.norm(e1, axis=1), 1, atol=1e-5)
     with pytest.raises(FileNotFoundError, match="modules.json"):
         ca.load_sentence_model(str(tmp_path / "hf"))
+
+
+def test_surrogate_score_embeds_each_candidate_once():
+    calls = []
+
+    def embed(texts):
+        calls.append(list(texts))
+        return ca._hashed(texts, 0)
+
+    score = ca._surrogate_score(embed, ["how do i check my card", "check card"])
+    a = score(["pay x", "pay y", "pay x"])
+    b = score(["pay y", "pay z"])
+    direct = (ca._hashed(["pay x", "pay y", "pay z"], 0) @ ca._hashed(["how do i check my card", "check card"], 0).T)
+    assert np.allclose(a, direct.mean(1)[[0, 1, 0]], atol=1e-6) and np.allclose(b, direct.mean(1)[[1, 2]], atol=1e-6)
+    assert calls[1:] == [["pay x", "pay y"], ["pay z"]]  # after the guesses: only unseen candidates
+
+
+def test_claim_floors_and_context():
+    claim = ca.PAPER.claim
+    assert {c.left for c in claim.context} == {"method/tau_spearman"}
+    guards = {c.name: c.guards for c in claim.premises}
+    assert guards["transfer_1_off_floor"] == ("method/transfer_1",)
+    assert guards["transfer_2_off_floor"] == ("method/transfer_2",)
+
+
+def test_calibrated_tau_rejects_novel_intents():
+    """Leave-intent-out: tau sits above every calibration query's similarity to other intents' keys, even where
+    the top-1 key (its own intent's) is always right, so an empty grid start (0.30) is not chosen."""
+    e = np.array([[1, 0, 0], [0, 1, 0], [0.8, 0.6, 0], [0.6, 0.8, 0]], np.float32)  # warm a, warm b, guess a, guess b
+    q = {"role": np.array(["warm", "warm", "guess", "guess"]), "intent_id": np.array([0, 1, 0, 1])}
+    assert ca.calibrate_tau(e, q, 0.05) == 0.61  # other-intent similarities are both 0.6

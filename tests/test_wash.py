@@ -119,3 +119,45 @@ def test_counted_work_per_arm():
     start = wash.PASSES["rows"]
     wash.generate_tokens(provs[2], prompts, chars, g)
     assert wash.PASSES["rows"] - start <= chars * len(prompts)
+
+
+def test_entropy_rate_matches_the_sampled_sentences_log_probability():
+    """The grammar's entropy per character equals -E[log P(sentence)] / E[characters + separator] on samples."""
+    p = wash.Params(lexicon=60)
+    rng = np.random.default_rng(0)
+    lex = wash._lexicon(p, rng)
+    prob = {c: dict(zip(words, w, strict=True)) for c, (words, w) in lex.items()}
+    cls = {x: c for c, (words, _) in lex.items() for x in words}
+    nll, chars = 0.0, 0
+    for _ in range(4000):
+        s = wash._sentence(lex, rng)
+        nll -= np.log(1 / len(wash.TEMPLATES)) + sum(np.log(prob[cls[x]][x]) for x in s[:-1].split())
+        chars += len(s) + 1
+    assert abs(nll / chars - wash.entropy_rate(lex)) < 0.02 * wash.entropy_rate(lex)
+
+
+def test_heldout_nats_per_char_scores_every_token_once_with_context():
+    """A character LM: with text within one window the measure is the LM's plain next-token cross-entropy; with a
+    longer text every token after the first is scored exactly once (its stride windows never double-count)."""
+    pr = _provider(0, 4, wm=False)
+    text = "the cat sat on the mat."
+    ids = torch.tensor([pr.tok.encode(text)])
+    with torch.no_grad():
+        direct = float(pr.lm.loss(ids))
+    assert np.isclose(wash.heldout_nats_per_char(pr.lm, pr.tok, text, 32), direct, atol=1e-5)
+    long = "the cat sat on the mat. a dog ran near the log. " * 3
+    seen = []
+    lm = lambda ids: (seen.append(ids.shape[1]), torch.zeros(1, ids.shape[1], len(pr.tok)))[1]  # noqa: E731
+    got = wash.heldout_nats_per_char(lm, pr.tok, long, 16)
+    assert np.isclose(got, np.log(len(pr.tok)))  # uniform LM: ln V per character, whatever the windows
+    assert sum(seen[:1]) + 8 * (len(seen) - 1) >= len(long) - 1 and max(seen) == 16
+
+
+def test_unigram_level_and_claim_context():
+    train = "aab " * 50
+    assert np.isclose(wash.unigram_nats_per_char(train, "a"), -np.log(101 / (200 + 28)))
+    context = {c.left for c in wash.PAPER.claim.context}
+    assert context == {"method/passes_per_char", "method/tv"}  # a count and a triangle inequality: not evidence
+    premises = {c.name: c for c in wash.PAPER.claim.premises}
+    assert premises["reference_lm_learned"].guards == ("method/ppl",)
+    assert premises["alignment_faithful"].guards == ("method/ppl",) and premises["alignment_faithful"].scale == 1.1
