@@ -34,7 +34,7 @@ Deviations from the paper (choices the spec or abstract left open):
   to differ on (mIoU, FD and reconstruction mIoU parts); the smoke latent is sized so that compression is lossy.
 - The forecasters share one engine, so one schedule (linear warm-up over `forecast_warmup` of the steps, then
   cosine decay) trains all four alike.
-- FD uses the mean-pooled features of all test frames as the real distribution (32 contexts alone give a singular
+- FD uses the mean-pooled features of all test frames as the real distribution (a few contexts alone give a singular
   64-d covariance); every model is compared against the same reference.
 - The image-generation application (unconditional flow matching decoded to pixels) is not implemented yet; the spec
   runs it in the full profile only. No Cityscapes/DINOv2 loader yet either: full runs the synthetic world at scale.
