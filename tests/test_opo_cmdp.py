@@ -129,4 +129,32 @@ def test_late_over_early_reads_learning():
     t = np.arange(1, 1001)
     assert 0.1 < o.late_over_early(1 / np.sqrt(t)) < 0.2
     assert o.late_over_early(np.full(1000, 0.3)) == 1.0
-    assert [c.name for c in o.PAPER.claim.premises] == ["opo_learns"]
+    assert [c.name for c in o.PAPER.claim.premises] == ["opo_learns", "greedy_misses_truth"]
+
+
+def test_trap_world_wrong_members_differ_from_the_truth_only_at_the_last_lock_action():
+    p = o.Params(d=3, horizon=3, grid=[(4, 3)], n_f=5, n_p=3, episodes=10, trap=3.0)
+    w, u, f_true, _ = o.make_classes(p, 4, 3, np.random.default_rng(8))
+    differs = (w != w[f_true]).any(-1).any(0)  # (H, S, A): where some member disagrees with the truth
+    assert differs.sum() == 1 and differs[-1, 0].any()
+    lock = int(np.flatnonzero(differs[-1, 0])[0])
+    assert w[f_true, -1, 0, lock, -1] == -3.0 and (np.delete(w[:, -1, 0, lock, -1], f_true) == 3.0).all()
+    c = np.r_[np.zeros(2), 1.0]  # the intercept coordinate is 1
+    _, kernel = o.class_values(w, u, c)
+    stay = kernel[:, :, 0, :, 0]  # (|P|, H, A): probability of staying in state 0
+    assert (stay.max(-1) > 0.99).all() and (np.sort(stay, -1)[..., -2] < 0.01).all()  # one lock action a layer
+
+
+def test_in_the_trap_world_greedy_misses_the_truth_and_opo_finds_it():
+    """The combination lock: greedy trusts a wrong member (ERM ties go to member 0), never opens the lock and
+    never identifies the truth (with A = 2 early near-uniform play opens it in some worlds; not in this one);
+    OPO's bonus at the lock action sends it there and it identifies the truth."""
+    p = o.Params(d=3, horizon=3, grid=[(4, 2)], n_f=6, n_p=4, episodes=64, trap=3.0, margin=0.5)
+    rng = np.random.default_rng(12)  # a world whose truth is not member 0 and whose lock uniform play missed
+    w, u, f_true, p_true = o.make_classes(p, 4, 2, rng)
+    assert f_true != 0
+    contexts = rng.normal(0, 1, (64, 3)) / np.sqrt(3)
+    contexts[:, -1] = 1.0
+    res = {a: o.run(p, a, w, u, f_true, p_true, contexts, np.random.default_rng(10)) for a in ("greedy", "opo")}
+    assert res["greedy"]["identified"] == 0.0 and res["opo"]["identified"] == 1.0
+    assert res["opo"]["regret"][32:].sum() < res["greedy"]["regret"][32:].sum()

@@ -115,3 +115,33 @@ def test_seg_target_foreground_marks_sprites_and_keeps_digits_on_request():
     labels = torch.tensor([[vf.BACKGROUND, 3], [0, vf.BACKGROUND]])
     assert torch.equal(vf.seg_target(labels, "foreground"), torch.tensor([[0, 1], [1, 0]]))
     assert torch.equal(vf.seg_target(labels, "digits"), labels)
+
+
+def test_pca_below_the_probes_directions_loses_what_the_probe_reads():
+    """The premise pca_compression_lossy: a per-token PCA smaller than the span the probe reads reconstructs
+    features on which the probe's decision changes; at full rank nothing is lost. Here the label lives in one of 4
+    independent directions (equal variance once standardised), and a 1-d PCA keeps another."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(400, 2, 4, generator=g) * torch.tensor([3.0, 2.0, 1.0, 0.5])  # (frames, tokens, D)
+    labels = (z[..., 3] > 0).long()
+    ae = vf.FeatureAE(4, 1, 2)  # unused by PCA; fit_spaces also records its latent statistics
+    for k, lossless in ((1, False), (4, True)):
+        spaces = vf.fit_spaces(z[:, None], torch.ones(400, dtype=torch.bool), ae, k)
+        zs = (z - spaces["mean"]) / spaces["std"]
+        recon = vf.from_space("pca", vf.to_space("pca", zs, spaces, ae), spaces, ae)
+        agree = ((recon[..., 3] > 0).long() == labels).float().mean()
+        assert (agree > 0.99) if lossless else (agree < 0.8)
+
+
+def test_lossy_premise_guards_the_ae_versus_pca_parts_only():
+    claim = vf.PAPER.claim
+    premise = next(c for c in claim.premises if c.name == "pca_compression_lossy")
+    guarded = {c.left for c in claim.all_of if c.guarded_by(premise)}
+    assert guarded == {"method/miou", "method/fd", "method/recon_miou"}
+    lossless = {"baseline/pca/recon_miou": 0.9, "detail/oracle_miou": 0.9, "method/miou": 0.5,
+                "baseline/fm_raw/miou": 0.4, "baseline/fm_pca/miou": 0.4, "method/fd": 1.0, "baseline/fm_raw/fd": 2.0,
+                "baseline/fm_pca/fd": 2.0, "method/fd_h2plus": 1.0, "baseline/regression/fd_h2plus": 2.0,
+                "method/recon_miou": 0.95}
+    reps = [{k: v + 0.01 * i for k, v in lossless.items()} for i in range(3)]
+    result = claim.decide(reps)
+    assert result.verdict == "inconclusive" and "pca_compression_lossy" in result.reason
