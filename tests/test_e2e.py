@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -53,7 +54,8 @@ def test_sei_smoke_pipeline_tracks_reuses_and_versions_overrides(workspace, pref
     assert tags["claim.replicates"] == "2" and "over 2 replicates" in tags["claim.numbers"]
     assert tags["prefect.flow_run_id"] and tags["mlflow.source.git.commit"]
     assert {"method/cnn_auroc", "method/clip_auroc", "baseline/aum/cnn_auroc", "claim/verdict"} <= set(metrics)
-    assert {"stats/method/cnn_auroc/ci95_low", "stats/method/cnn_auroc/std", "claim/part4/effect"} <= set(metrics)
+    assert {"stats/method/cnn_auroc/ci95_low", "stats/method/cnn_auroc/std"} <= set(metrics)
+    assert any(re.fullmatch(r"claim/part\d+/effect", k) for k in metrics)  # each deciding part's effect
     children = _children(first["run_id"])
     assert [c.data.tags["paperline.seed"] for c in children] == ["0", "1"]
     assert {c.info.status for c in children} == {"FINISHED"}

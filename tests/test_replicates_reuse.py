@@ -100,7 +100,7 @@ def test_more_replicates_train_only_the_missing_ones_a_claim_edit_trains_nothing
     result = CliRunner().invoke(app, ["run", PAPER, "--profile", "test", "--set", "replicates=3", "--premises-only"])
     premises_s = time.perf_counter() - t0
     assert result.exit_code == 0, result.output
-    assert f"premises {PAPER}: opo_learns: method/late_over_early_regret <= 0.5 ->" in result.output
+    assert f"premises {PAPER}: opo_learns: method/late_over_early_regret <= 0.5" in result.output
     assert "premise opo_learns: method/late_over_early_regret - 0.5 =" in result.output
     assert not any(part.left in result.output for part in paper.claim.all_of)
     assert f"claim {PAPER}:" not in result.output and counted_training == [0, 1, 2]
