@@ -58,7 +58,6 @@ from scipy.stats import spearmanr
 
 from models.common.lm import SentenceEncoder, WordVocab, info_nce
 from models.common.tables import read_table, write_table
-from models.common.threads import torch_threads
 from models.contract import Claim, Compare, Paper, PaperParams
 from models.inputs import input_path
 
@@ -125,8 +124,6 @@ class Params(PaperParams):
     e4_steps: int = Field(150, ge=1, description="E4 InfoNCE training steps.")
     e4_batch: int = Field(32, ge=2, description="Pairs per E4 step (in-batch negatives).")
     lr: float = Field(2e-3, gt=0)
-    train_threads: int = Field(1, ge=1, description="Torch intra-op threads while training E4: a 2-layer d=64 encoder "
-                                                    "at batch 32 spends more CPU on thread hand-offs than it saves.")
     temperature: float = Field(0.05, gt=0, description="InfoNCE temperature.")
     max_false_hit: float = Field(0.05, gt=0, lt=1, description="Each cache's tau: the lowest with at most this "
                                  "false-hit rate on public calibration queries (the guesses, own intent left "
@@ -234,8 +231,7 @@ def train(ctx) -> None:
         return info_nce(engine(batch["a"]), engine(batch["b"]), p.temperature), {}
 
     ctx.progress(f"E4: {sum(x.numel() for x in model.parameters())} parameters, {p.e4_steps} InfoNCE steps")
-    with torch_threads(p.train_threads):  # restored after: the process may run other papers' work
-        ctx.fit("e4", ctx.engine(model, p.lr), step_fn, batch_fn, p.e4_steps)
+    ctx.fit("e4", ctx.engine(model, p.lr), step_fn, batch_fn, p.e4_steps)
 
 
 # ---- embedders ----------------------------------------------------------------------------------------------

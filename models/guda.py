@@ -58,7 +58,6 @@ from torch.func import functional_call, grad, vmap
 
 from models.common import diffusion as dm
 from models.common.tables import read_table, write_table
-from models.common.threads import torch_threads
 from models.contract import Claim, Compare, Paper, PaperParams
 
 METHODS = ("guda", "similarity", "gradient", "instance_unlearn")
@@ -87,8 +86,6 @@ class Params(PaperParams):
     proj_dim: int = Field(512, ge=8, description="Random projection dimension of the gradient baseline.")
     instance_steps: int = Field(5, ge=1, description="Gradient-ascent steps of instance-level unlearning.")
     instance_lr: float = Field(1e-2, gt=0)
-    train_threads: int = Field(1, ge=1, description="Torch intra-op threads while training: batches of 8x8 digits "
-                               "cost more in thread hand-offs and spin-waits than they gain (CPU seconds).")
 
 
 # ---- data -----------------------------------------------------------------------------------------------------
@@ -248,11 +245,6 @@ def _step_fn(engine, batch, step):
 
 
 def train(ctx) -> None:
-    with torch_threads(ctx.params.train_threads):  # restored after: the process may run other work
-        _train(ctx)
-
-
-def _train(ctx) -> None:
     p: Params = ctx.params
     d = _load(ctx.data_dir, p)
     phase1 = Phase1(p)

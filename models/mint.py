@@ -60,7 +60,6 @@ from pydantic import Field
 from torch import nn
 
 from models.common.tables import read_table, write_table
-from models.common.threads import torch_threads
 from models.contract import Claim, Compare, Paper, PaperParams
 
 MATERIALS = {"glass": 0.9, "porcelain": 0.9, "crystal": 0.85, "ceramic": 0.8, "clay": 0.6, "wooden": 0.15,
@@ -96,9 +95,6 @@ class Params(PaperParams):
     budget: int = Field(4, ge=0, description="B: most questions MINT (and the random baseline) may ask.")
     uct_c: float = Field(0.5, ge=0, description="UCT exploration constant.")
     horizon_factor: int = Field(4, ge=1, description="Episode horizon = factor x grid side.")
-    torch_threads: int | None = Field(1, ge=1, description="Intra-op threads of training (None: the runtime's). "
-                                      "Batches of 128 through 128-wide MLPs are too small to split: a second thread "
-                                      "spins between ops and burns CPU time on a loaded machine.")
 
 
 # ---- data -------------------------------------------------------------------------------------------------------
@@ -383,11 +379,6 @@ def u_batch(nets: SeedNets, tr: dict[str, np.ndarray], p: Params, rng: np.random
 
 
 def train(ctx) -> None:
-    with torch_threads(ctx.params.torch_threads):  # restored after: the process may run other papers' work
-        _train(ctx)
-
-
-def _train(ctx) -> None:
     p: Params = ctx.params
     tr = load_split(ctx.data_dir, "train")
     model = build(p)

@@ -77,7 +77,6 @@ from torch import nn
 
 from models.common.plots import roc_curves
 from models.common.tables import read_table, write_table
-from models.common.threads import torch_threads
 from models.contract import Claim, Compare, Paper, PaperParams
 from models.inputs import input_path
 
@@ -109,9 +108,6 @@ class Params(PaperParams):
     seeds: int = Field(2, ge=1, description="Independent retrainings of every network (seed, seed+1, ...).")
     control: bool = Field(True, description="Run the seen-class control (first seed).")
     bootstrap: int = Field(200, ge=10, description="Bootstrap resamples of the queries for the ratio's interval.")
-    torch_threads: int | None = Field(1, ge=1, description="Intra-op threads of training (None: the runtime's). An "
-                                      "ensemble of small MLPs on batches of 256 is too small to split: a second "
-                                      "thread spins between ops and burns CPU time on a loaded machine.")
 
 
 # ---- data --------------------------------------------------------------------------------------------------
@@ -350,11 +346,6 @@ def _ensemble_batches(x: torch.Tensor, targets: torch.Tensor, sets: list[np.ndar
 
 
 def train(ctx) -> None:
-    with torch_threads(ctx.params.torch_threads):  # restored after: the process may run other papers' work
-        _train(ctx)
-
-
-def _train(ctx) -> None:
     p: Params = ctx.params
     t = _load(ctx.data_dir)
     x = torch.from_numpy(t["pixels"].astype(np.float32))  # (N, D)

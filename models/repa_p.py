@@ -70,7 +70,6 @@ from torch import nn
 
 from models.common import diffusion as dm
 from models.common.tables import read_table, write_table
-from models.common.threads import torch_threads
 from models.contract import Claim, Compare, Paper, ScheduledParams
 
 PIDM_L2_BOUND = 0.1  # premise: 10x the paper's O(1e-2) relative L2 errors, far below chance (order 1)
@@ -112,8 +111,6 @@ class Params(ScheduledParams):
     val_every: int = Field(25, ge=1, description="Steps between validation-residual records.")
     ddim_steps: int = Field(20, ge=1)
     n_samples: int = Field(64, ge=2, description="Generated samples per condition (ID, OOD).")
-    train_threads: int = Field(1, ge=1, description="Torch intra-op threads while training: batches of 16x16 "
-                               "fields cost more in thread hand-offs and spin-waits than they gain (CPU seconds).")
 
     @field_validator("arms")
     @classmethod
@@ -361,8 +358,7 @@ def train(ctx) -> None:
     ctx.progress(f"{len(p.arms)} arms in lock-step ({', '.join(p.arms)}), {p.steps} steps of batch {p.batch_size}")
     arms = {a: [*model.nets[a].parameters(), *model.heads[a].parameters()] for a in p.arms}  # a U-Net and its heads
     engine = ctx.engine(model, p.lr, arms=arms, steps=p.steps, warmup=p.warmup, decay=p.decay, ema=p.ema)
-    with torch_threads(p.train_threads):
-        ctx.fit("arms", engine, step_fn, batch_fn, p.steps, state=state)
+    ctx.fit("arms", engine, step_fn, batch_fn, p.steps, state=state)
     ctx.save_record("validation", {"val_residual": state["val_residual"]})
 
 

@@ -48,7 +48,6 @@ from torch import nn
 from models.common.lockstep import LockStep, masked_mean
 from models.common.plots import roc_curves, split_histogram
 from models.common.tables import read_table, write_table
-from models.common.threads import torch_threads
 from models.contract import Claim, Compare, Paper, PaperParams
 
 PAIR_FLIPS = {1: 7, 7: 1, 3: 8, 8: 3, 5: 6, 6: 5, 4: 9, 9: 4}  # look-alike digits
@@ -88,9 +87,6 @@ class Params(PaperParams):
     prompt_encoder: Literal["minilm", "random"] = Field("minilm", description="Text tower of the CLIP-style net.")
     downstream_epochs: int = Field(20, ge=1, description="Epochs of the retraining after removing flagged samples.",
                                    json_schema_extra={"passes": True})
-    train_threads: int = Field(1, ge=1, description="Torch intra-op threads of training: the networks are small, so "
-                                                    "a second thread's hand-offs and spin-waits cost more CPU than "
-                                                    "they save.")
 
 
 # ---- data --------------------------------------------------------------------------------------------------
@@ -302,11 +298,6 @@ def _engine(ctx, model: LockStep, p: Params, epochs: int, per_epoch: int):
 
 
 def train(ctx) -> None:
-    with torch_threads(ctx.params.train_threads):  # restored after: the process may run other papers' work
-        _train(ctx)
-
-
-def _train(ctx) -> None:
     p: Params = ctx.params
     d = _load(ctx.data_dir)
     n, k = d["x"].shape[0], d["prompts"].shape[0] - 1

@@ -56,7 +56,6 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from models.common.tables import read_table, write_table
-from models.common.threads import torch_threads
 from models.contract import Claim, Compare, Paper, PaperParams
 from models.inputs import input_path
 
@@ -86,9 +85,6 @@ class Params(PaperParams):
     warmup: int = Field(0, ge=0, description="Linear learning-rate warm-up from 0, in steps.")
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning rate after the warm-up.")
     ema: float | None = Field(None, ge=0, le=1, description="EMA decay of the weights sampled from (None: no EMA).")
-    train_threads: int = Field(1, ge=1, description="Torch intra-op threads of training: the networks are small, so "
-                                                    "a second thread's hand-offs and spin-waits cost more CPU than "
-                                                    "they save.")
     sample_steps: int = Field(100, ge=2, description="Ancestral sampling steps (a strided grid over T).")
     n_samples: int = Field(128, ge=2, description="Samples per arm.")
     size_bins: tuple[int, ...] = Field((3, 6, 9, 12, 17), min_length=3, description="Bin edges of N, [lo, hi).")
@@ -331,12 +327,9 @@ class Diffusion(nn.Module):
 
 
 # ---- training ---------------------------------------------------------------------------------------------------
+
+
 def train(ctx) -> None:
-    with torch_threads(ctx.params.train_threads):  # restored after: the process may run other papers' work
-        _train(ctx)
-
-
-def _train(ctx) -> None:
     p: Params = ctx.params
     d = _load(ctx.data_dir)
     scales = fit_scales(d["x"], d["mask"], d["n"], int(d["n"].max()))

@@ -61,7 +61,6 @@ from torch import nn
 
 from models.common.lm import BPETokenizer, TinyLM, train_bpe
 from models.common.tables import read_table, write_table
-from models.common.threads import torch_threads
 from models.contract import Claim, Compare, Paper, PaperParams
 from models.inputs import input_path
 
@@ -88,8 +87,6 @@ class Params(PaperParams):
     steps: int = Field(200, ge=1)
     batch_size: int = Field(16, ge=1)
     lr: float = Field(3e-3, gt=0)
-    train_threads: int = Field(1, ge=1, description="Torch intra-op threads while training: four 2-layer d=64 LMs at "
-                                                    "batch 16 spend more CPU on thread hand-offs than they save.")
     prompts: int = Field(16, ge=2, description="Prompts per arm.")
     gen_chars: int = Field(120, ge=8, description="Characters generated per prompt (= tokens of the character "
                                                   "provider, whose z-score sees the most tokens).")
@@ -205,8 +202,7 @@ def train(ctx) -> None:
         return sum(losses.values()), {f"loss_{k}": float(v.detach()) for k, v in losses.items()}
 
     ctx.progress(f"{len(model.lms)} LMs in lock-step, vocabularies {[len(t) for t in toks]}, {p.steps} steps")
-    with torch_threads(p.train_threads):  # restored after: the process may run other papers' work
-        ctx.fit("lms", ctx.engine(model, p.lr, arms=model.lms), step_fn, batch_fn, p.steps)
+    ctx.fit("lms", ctx.engine(model, p.lr, arms=model.lms), step_fn, batch_fn, p.steps)
 
 
 # ---- watermarks and detection ------------------------------------------------------------------------------------
