@@ -87,6 +87,29 @@ def test_generator_is_deterministic_and_validator_checks_the_query():
     assert {len(ss.parse(ss.generate(knob, s, 2)["prompt"])[2]) for s in range(30)} == {3, 4, 5}  # difficulty knob
 
 
+def test_stated_rule_is_the_spec_in_prefix_code_and_the_validator_skips_it():
+    """The rule code names every word of the spec once, outermost first; the prompt with the rule keeps the same
+    examples, query and answer, and parse / validate read the query past the code."""
+    fam = ss.family(("if", "long", ("r", "max", ("even", "sort")), ("r", "sum", ("inc",))), "c", constrain=True,
+                    fmt="mod10")
+    assert ss.rule_code(fam) == "?GMse|Ti" and len(set(ss.RULE_CODE.values())) == len(ss.RULE_CODE)
+    assert not set("".join(ss.RULE_CODE.values())) & set("0123456789>;:%?|")  # never a list, separator or marker
+    assert ss.rule_code(ss.family(("r", "len", ("even",)), "n", fmt="mod10")) == "%Le"  # a count can pass 9
+    assert ss.rule_code(ss.family(("r", "max", ()), "m", fmt="mod10")) == "M"  # a digit already
+    plain, stated = ss.generate(fam, 5, 2), ss.generate(fam, 5, 2, rule=True)
+    assert stated["prompt"] == plain["prompt"][: plain["prompt"].rindex(";") + 1] + "?GMse|Ti:" + \
+        plain["prompt"][plain["prompt"].rindex(";") + 1:]
+    assert ss.parse(stated["prompt"]) == ss.parse(plain["prompt"]) and stated["answer"] == plain["answer"]
+    assert [d for d in range(10) if ss.validate(fam, stated["prompt"], str(d))] == [int(stated["answer"])]
+    ids, lens = ss.encode([stated["prompt"]], "".join(sorted(set(stated["prompt"]))), 16)
+    assert lens.item() == 16  # a prompt cut to the policy's length keeps its tail: the rule and the query
+
+
+def test_answer_prior_is_each_categorys_most_frequent_answer():
+    ev = {"answer": ["3", "3", "1", "7", "2", "2", "2"], "category": ["logic"] * 3 + ["operation"] * 4}
+    assert ss.answer_prior(ev).tolist() == [True, True, False, False, True, True, True]
+
+
 def test_gates_catch_their_failures_and_refine_fixes_them():
     p = _p()
     raises = ss.family(("r", "max", ("big",)), "e", lo=3, hi=3)  # no value > 4 in some lists: max of []
