@@ -22,7 +22,10 @@ What it implements (function names in brackets):
 
 Deviations from the paper (choices the abstract left open):
 - Sizes are the spec's smoke choices, trimmed to the smoke budget; the noise eps is N(0, I) in the centred frame
-  (every sequence is centred on the mean of its partial points, known at inference).
+  (every sequence is centred on the mean of its partial points, known at inference). The smoke profile departs from
+  the spec's smoke line so the flow decoders train long enough: object-level sequences only, fewer observed and
+  target points per frame, more and larger steps, and a linear warm-up then cosine decay of the learning rate, the
+  same for all four arms (params.yaml).
 - Drift is normalised by the decoded points' own canonical spread (the mean |u_i - u_j| of two different decoded
   points in one frame): the paper's raw drift rewards an output collapsed onto a few GT points; the raw value is
   kept as `raw_drift`. The premise `method_reconstructs_motion` asks the decoder to beat the first GT frame held
