@@ -131,3 +131,12 @@ def test_anime_loader_on_a_two_frame_cube(tmp_path):
     pts, u = dt.anime_points(np.random.default_rng(0), frames, faces, 50)
     assert np.allclose(pts[0], u) and np.allclose(pts[1] - pts[0], [0.5, 0, 0], atol=1e-6)
     assert np.allclose(np.minimum(u, 1 - u).min(1), 0, atol=1e-6)  # every sample lies on a face of the cube
+
+
+def test_parameter_asymmetry_the_claims_note_states():
+    # DynaTok adds the geometry and residual MLPs to the flow baselines' networks; the folding decoder is smaller
+    size = {m: sum(w.numel() for w in net.parameters()) for m, net in dt.Models(tiny()).nets.items()}
+    assert size["per_frame"] == size["no_decoupling"] < size["dynatok"]
+    assert size["deterministic"] < size["per_frame"]
+    assert "parameters" in dt.PAPER.claim.note
+
