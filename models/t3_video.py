@@ -346,6 +346,11 @@ class Pretrain(nn.Module):
         self.dit, self.frames, self.video = DiT(p), FrameNet(p.clf_channels), VideoNet(p.clf_channels)
         self.label_dropout = p.label_dropout
 
+    def arms(self) -> dict[str, nn.Module]:
+        """The three networks as arms of one engine, each clipped on its own (a clip over all three would scale the
+        DiT's update down by the classifiers' gradient norms)."""
+        return {"dit": self.dit, "frames": self.frames, "video": self.video}
+
     def forward(self, low, high, c):
         fl = high.flatten(0, 1)  # (B F, 3, S, S) real high-resolution frames
         return {"rf": rf_loss(self.dit, low, c, "full", draw_noise(low, self.label_dropout)),
@@ -394,7 +399,8 @@ def train(ctx) -> None:
     torch.manual_seed(p.seed)
     pre = Pretrain(p)
     ctx.progress(f"phase pretrain: DiT at {p.size_low}px (full attention) + 2 classifiers, {p.pretrain_steps} steps")
-    ctx.fit("pretrain", ctx.engine(pre, p.lr, weight_decay=0.01), step_fn, batch_fn(train_ids, 0), p.pretrain_steps)
+    ctx.fit("pretrain", ctx.engine(pre, p.lr, weight_decay=0.01, arms=pre.arms()), step_fn, batch_fn(train_ids, 0),
+            p.pretrain_steps)
     retro = Retrofit(p, pre.dit)
     ctx.progress(f"phase retrofit: t3 / window / full_ft at {2 * p.size_low}px, {p.retrofit_steps} steps on "
                  f"{len(subset)} videos")

@@ -59,6 +59,43 @@ def test_retrofit_adds_no_weights_and_trains_the_shared_projections():
     assert retro.arms["full_ft"].blocks[0]["qkv"].weight.grad is None  # lock-step: arms are independent
 
 
+def test_pretraining_clips_the_dit_apart_from_the_judges():
+    """The DiT and the two judge classifiers pretrain in one engine as three arms: every parameter in exactly one,
+    and with the summed loss the DiT trains as it would alone; one clip over all three networks (the coupling the
+    arms remove) lets the classifiers' gradient norms set the DiT's step."""
+    from tasks.context import ArmsAdamW, _arm_groups
+
+    p = M.Params(**TINY, label_dropout=0.0)
+    torch.manual_seed(0)
+    pre = M.Pretrain(p)
+    torch.nn.init.normal_(pre.dit.out.weight)  # zero-initialised at first: only the output head would get gradient
+    start = {k: v.clone() for k, v in pre.state_dict().items()}
+    assert [grp["name"] for grp in _arm_groups(pre, pre.arms(), 1.0)] == ["dit", "frames", "video"]  # raises on a
+    # parameter in no arm or in two
+
+    def dit_after(mode: str, steps: int = 4) -> torch.Tensor:
+        pre.load_state_dict(start)
+        params = list(pre.parameters()) if mode == "together" else list(pre.dit.parameters())
+        opt = (ArmsAdamW(_arm_groups(pre, pre.arms(), 1.0), lr=1e-2, weight_decay=0.0, partitioned=False)
+               if mode == "arms" else torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0))
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)
+            low, high = torch.randn(4, 2, 3, 8, 8, generator=g), torch.rand(4, 2, 3, 16, 16, generator=g)
+            pre.zero_grad()
+            torch.manual_seed(100 + step)  # the same noise draw in every mode
+            losses = pre(low, high, torch.randperm(4, generator=g))
+            (losses["rf"] if mode == "alone" else sum(losses.values())).backward()
+            if mode != "arms":
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+        return torch.cat([q.detach().flatten() for q in pre.dit.parameters()])
+
+    first = torch.cat([start[n].flatten() for n, _ in pre.named_parameters() if n.startswith("dit.")])
+    alone, beside, together = dit_after("alone"), dit_after("arms"), dit_after("together")
+    assert torch.allclose(alone, beside, atol=1e-6) and (alone - first).abs().max() > 1e-3
+    assert not torch.allclose(alone, together, atol=1e-4)
+
+
 def _reach(grid, layers):
     """Boolean (N, N): token j can influence token i after the given layers (each a list of (block, kinds))."""
     n = math.prod(grid)
