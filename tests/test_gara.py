@@ -128,3 +128,54 @@ def test_folder_loader_on_a_ten_node_fixture(tmp_path):
     for q in qb.where("test"):
         cands = qb.candidates(int(q))
         assert len(cands) == 2 and qb.topic[int(q)] in cands  # 3 labels cut to max_labels, truth kept
+
+
+def _tiny(tmp_path, **kw):
+    p = gara.Params(n_train_graphs=2, n_val_graphs=1, n_test_graphs=1, nodes_train=(12, 16), nodes_test=(12, 16),
+                    text_encoder="hashed", lm_width=16, lm_layers=2, lm_heads=2, hidden=8, rank=2,
+                    prompt_chars=40, text_chars=40, **kw)
+    gara.prepare(p, tmp_path)
+    return p, gara.Queries(tmp_path, p)
+
+
+def test_generated_b_starts_at_zero_so_gara_starts_at_the_frozen_lm(tmp_path):
+    p, qb = _tiny(tmp_path)
+    qs = qb.where("train")[:6].tolist()
+    gb, batch = qb.graph_batch(qs), qb.batch(qs)
+    lm = gara.TinyLM(len(gara.ALPHABET), 16, 2, 2, 41).eval()
+    torch.manual_seed(0)
+    net = gara.Generated(gara.GraphReader(gb.x.shape[1], 8), 16, 2, 2, 8.0, 1.0)
+    with torch.no_grad():
+        dq, dv, before, _ = net.deltas(gb, batch["task"])
+        assert float(before.abs().max()) == 0.0
+        assert torch.allclose(gara.answer_logits(lm, batch, "prompt", batch["valid"], dq, dv),
+                              gara.answer_logits(lm, batch, "prompt", batch["valid"]))
+    # ... yet B gets a gradient through the learned base A_0 (not the vanishing one of B = A = 0)
+    dq, dv, *_ = net.deltas(gb, batch["task"])
+    F = torch.nn.functional
+    F.cross_entropy(gara.answer_logits(lm, batch, "prompt", batch["valid"], dq, dv), batch["answer"]).backward()
+    assert float(net.gen[2].weight.grad.view(2, 2, 2, 32, -1)[:, :, 1].norm()) > 0
+
+
+def test_weight_decay_keeps_the_projected_generator_from_growing(tmp_path):
+    """Above rho the projected dW is invariant to B's scale, so its gradient never shrinks B and Adam's steps only
+    grow it; weight decay (the same for every arm) bounds it."""
+    p, qb = _tiny(tmp_path)
+    qs = qb.where("train")[:8].tolist()
+    gb, batch = qb.graph_batch(qs), qb.batch(qs)
+    lm = gara.TinyLM(len(gara.ALPHABET), 16, 2, 2, 41).eval().requires_grad_(False)
+    grown = {}
+    for wd in (0.0, 1.0):
+        torch.manual_seed(0)
+        net = gara.Generated(gara.GraphReader(gb.x.shape[1], 8), 16, 2, 2, 8.0, 0.05)
+        opt = torch.optim.AdamW(net.parameters(), lr=0.02, weight_decay=wd)
+        for _ in range(60):
+            dq, dv, before, after = net.deltas(gb, batch["task"])
+            loss = torch.nn.functional.cross_entropy(gara.answer_logits(lm, batch, "prompt", batch["valid"], dq, dv),
+                                                     batch["answer"])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert float(after.detach().max()) <= 0.05 * (1 + 1e-4)
+        grown[wd] = float(before.detach().mean())
+    assert grown[1.0] < 0.5 * grown[0.0], grown
