@@ -31,6 +31,9 @@ Deviations from the paper (choices the abstract left open):
   and fixed before any data the certificate uses (a c far below the Q range saturates the loss at 1 and makes every
   bound vacuous by construction). The posterior trains on the unclipped surrogate (Q - y)^2 / c^2 >= l(z) (the
   clipped loss has no gradient once saturated); certificates use the clipped loss.
+- Every critic's output is in units of c (Q = c x its last layer's output, `critic_in_c`): its weights model Q / c,
+  the certified loss's scale, so the prior's sigma_0, the posterior's noise and the KL act on that scale rather than
+  on Q's raw range (both agents' critics alike; a reparameterisation of the output layer, not a change of Q).
 - During training n_eff uses t_mix from the buffer's state features only (recomputed every `tmix_every` updates),
   since the loss sequence would need a critic pass over the whole buffer each time; the certificate uses both.
 - E_rho L_hat in the certificate is a Monte-Carlo average over `cert_samples` weight samples (no extra
@@ -81,7 +84,7 @@ class Params(PaperParams):
     sigma_grid: list[float] = Field([0.003, 0.01, 0.03, 0.1], min_length=1, description="sigma_0 grid (union bound).")
     loss_scale: float = Field(0.1, gt=0, description="c of the certified loss min(1, (Q - y)^2 / c^2), as a fraction "
                               "of the Q range (r_max - r_min) / (1 - gamma) of the random policy's rewards.")
-    critic_in_c: bool = Field(False, description="Every critic's output is in units of c (Q = c x the last layer's "
+    critic_in_c: bool = Field(True, description="Every critic's output is in units of c (Q = c x the last layer's "
                               "output), so its weights model Q / c, the certified loss's scale.")
     delta: float = Field(0.05, gt=0, lt=1, description="Confidence 1 - delta of every bound.")
     tmix_every: int = Field(100, ge=1, description="Updates between recomputations of the training n_eff.")
