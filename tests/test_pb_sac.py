@@ -175,3 +175,20 @@ def test_critic_in_units_of_c_scales_q_and_prior_mu_is_the_init():
     model = pb_sac._build(p, "Pendulum-v1", c=160.0)
     assert all(getattr(model[n], q).out_scale == 160.0 for n in pb_sac.AGENTS
                for q in ("q1", "q2", "q1_target", "q2_target"))
+
+
+def test_prior_loss_of_the_premise_equals_the_posteriors_at_init_and_ignores_its_moves():
+    """posterior_learned compares the posterior's empirical loss with its prior's on the same chain and targets: at
+    init (rho = pi_0) they coincide; moving rho's mean changes only the posterior's."""
+    p = pb_sac.Params(hidden=8, cert_samples=4, sigma_grid=[0.03], prior_sigma=0.03)
+    torch.manual_seed(0)
+    agent = pb_sac._build(p, "Pendulum-v1", c=50.0)["pbsac"]
+    chain = pb_sac._flat(pb_sac.run_episodes("Pendulum-v1", pb_sac._policy(agent.actor, False, 0), [1, 2]))
+    val = pb_sac._flat(pb_sac.run_episodes("Pendulum-v1", pb_sac._policy(agent.actor, False, 1), [3]))
+    at_init = pb_sac.certify(agent, chain, val, p, 50.0, posthoc=False)
+    assert at_init["kl"] < 1e-6 and math.isclose(at_init["emp_loss"], at_init["prior_emp_loss"], rel_tol=1e-5)
+    with torch.no_grad():
+        agent.q1.layers[-1].bias.add_(-1.0)  # Q shifts by -c: rho moves away from pi_0
+    moved = pb_sac.certify(agent, chain, val, p, 50.0, posthoc=False)
+    assert moved["kl"] > 100 and moved["emp_loss"] != at_init["emp_loss"]
+    assert math.isclose(moved["prior_emp_loss"], at_init["prior_emp_loss"], rel_tol=1e-6)
