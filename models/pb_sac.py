@@ -478,7 +478,7 @@ def certify(agent: Agent, chain: dict[str, torch.Tensor], val: dict[str, torch.T
     for sigma0 in p.sigma_grid:
         if posthoc:  # N(theta_trained, sigma^2 I) against N(theta_init, sigma^2 I)
             mu = agent.q1.mu()
-            kl = float(((agent.q1.flat_mu() - agent.q1.theta0) ** 2).sum() / (2 * sigma0**2))
+            kl = float(((agent.q1.flat_mu() - agent.q1.theta0) ** 2).sum().detach() / (2 * sigma0**2))
             losses = _losses(agent, chain, p, c, p.cert_samples, p.seed, weights=mu, sigma=sigma0)
         else:  # the learned posterior against each prior of the grid
             kl = float(agent.q1.kl(sigma0).detach())
@@ -547,7 +547,7 @@ def evaluate(ctx) -> dict[str, float]:
             val = _flat(run_episodes(env_id, _policy(actor, False, p.seed + 3), val_seeds))
             cert = certify(model[name], chain, val, p, c, posthoc=name == "sac")
             # how far each critic's (mean) weights moved from their initialisation: critic 1 is PB-SAC's posterior
-            shift = {f"q{i}_shift": float((q.flat_mu() - q.theta0).norm()) for i, q in
+            shift = {f"q{i}_shift": float((q.flat_mu() - q.theta0).norm().detach()) for i, q in
                      ((1, model[name].q1), (2, model[name].q2))}
             results[name] = {"return": ret, "norm_return": (ret - lo) / (hi - lo), **cert, **shift}
             ctx.progress(f"{env_id} {name}: return {ret:.1f}, Markov bound {cert['markov_bound']:.3f} "
