@@ -15,7 +15,8 @@ What it implements (function names in brackets):
 - PB-SAC: twin-critic SAC whose critic 1 is the posterior trained on the bound (replay loss + complexity term with
   n_eff from the current buffer); the actor maximises min(E_rho Q1, Q2) + kappa Std_rho Q1 - alpha log pi with 4
   weight samples; auto-tuned temperature [sac_losses]. SAC and PB-SAC train in lock-step in one engine, each
-  collecting its own Pendulum chain inside `batch_fn` (models.common.rl.Replay) [train];
+  collecting its own Pendulum chain inside `batch_fn` (models.common.rl.Replay); each network (actor, critic 1,
+  critic 2, temperature of each agent) is its own arm, unclipped by default, as SAC trains [train];
 - certificate protocol: a fresh chain of at least n steps with the final (stochastic) policy, the bound on it, and a
   validation estimate of E_rho L from independently reset episodes [evaluate]. The chain is the reset chain: whole
   episodes from fresh seeds, played side by side and laid end to end, so that a chain many mixing times long costs
@@ -30,6 +31,9 @@ Deviations from the paper (choices the abstract left open):
   and fixed before any data the certificate uses (a c far below the Q range saturates the loss at 1 and makes every
   bound vacuous by construction). The posterior trains on the unclipped surrogate (Q - y)^2 / c^2 >= l(z) (the
   clipped loss has no gradient once saturated); certificates use the clipped loss.
+- Every critic's output is in units of c (Q = c x its last layer's output, `critic_in_c`): its weights model Q / c,
+  the certified loss's scale, so the prior's sigma_0, the posterior's noise and the KL act on that scale rather than
+  on Q's raw range (both agents' critics alike; a reparameterisation of the output layer, not a change of Q).
 - During training n_eff uses t_mix from the buffer's state features only (recomputed every `tmix_every` updates),
   since the loss sequence would need a critic pass over the whole buffer each time; the certificate uses both.
 - E_rho L_hat in the certificate is a Monte-Carlo average over `cert_samples` weight samples (no extra
@@ -71,6 +75,8 @@ class Params(PaperParams):
     batch_size: int = Field(128, ge=2, description="Replay batch per update (split across ranks).")
     hidden: int = Field(64, ge=4, description="Width of the 2 hidden layers of actor and critics.")
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate of every network.")
+    grad_clip: float | None = Field(None, gt=0, description="Gradient-norm clip of each network on its own (actor, "
+                                    "critic 1, critic 2, temperature of each agent); None: unclipped, as SAC is.")
     tau: float = Field(0.005, gt=0, le=1, description="Polyak rate of the target critics.")
     kappa: float = Field(1.0, ge=0, description="Weight of the posterior's Std_rho Q in PB-SAC's actor objective.")
     posterior_samples: int = Field(4, ge=2, description="Weight samples of rho per update.")
@@ -78,6 +84,8 @@ class Params(PaperParams):
     sigma_grid: list[float] = Field([0.003, 0.01, 0.03, 0.1], min_length=1, description="sigma_0 grid (union bound).")
     loss_scale: float = Field(0.1, gt=0, description="c of the certified loss min(1, (Q - y)^2 / c^2), as a fraction "
                               "of the Q range (r_max - r_min) / (1 - gamma) of the random policy's rewards.")
+    critic_in_c: bool = Field(True, description="Every critic's output is in units of c (Q = c x the last layer's "
+                              "output), so its weights model Q / c, the certified loss's scale.")
     delta: float = Field(0.05, gt=0, lt=1, description="Confidence 1 - delta of every bound.")
     tmix_every: int = Field(100, ge=1, description="Updates between recomputations of the training n_eff.")
     chain_steps: int = Field(2000, ge=10, description="Length n of the certificate chain per agent (whole episodes "
@@ -188,8 +196,10 @@ class Critic(nn.Module):
 
     `theta0` keeps the initial weights: the prior's mean (data-independent: fixed before any data is seen)."""
 
-    def __init__(self, obs_dim: int, act_dim: int, hidden: int, prior_sigma: float | None = None):
+    def __init__(self, obs_dim: int, act_dim: int, hidden: int, prior_sigma: float | None = None,
+                 out_scale: float = 1.0):
         super().__init__()
+        self.out_scale = out_scale  # Q = out_scale x the network's output (the weights model Q in these units)
         self.layers = nn.ModuleList([nn.Linear(obs_dim + act_dim, hidden), nn.Linear(hidden, hidden),
                                      nn.Linear(hidden, 1)])
         self.stochastic = prior_sigma is not None
@@ -203,6 +213,14 @@ class Critic(nn.Module):
 
     def flat_mu(self) -> torch.Tensor:
         return torch.cat([q.reshape(-1) for q in self.mu()])
+
+    def prior_mu(self) -> list[torch.Tensor]:
+        """theta0, the initial weights (the prior's mean), in the shapes of `mu()`."""
+        out, i = [], 0
+        for q in self.mu():
+            out.append(self.theta0[i:i + q.numel()].view_as(q))
+            i += q.numel()
+        return out
 
     def sigmas(self) -> list[torch.Tensor]:
         return [ls.exp() for ls in self.log_sigma]
@@ -225,7 +243,7 @@ class Critic(nn.Module):
             for i in range(0, len(mu), 2):
                 x = F.linear(x, mu[i], mu[i + 1])
                 x = F.relu(x) if i < len(mu) - 2 else x
-            return x[..., 0]
+            return self.out_scale * x[..., 0]
         x = x.expand(samples, *x.shape)  # (S, B, in)
         for i in range(0, len(mu), 2):
             sig_w, sig_b = (sigma, sigma) if isinstance(sigma, float) else (sigma[i], sigma[i + 1])
@@ -233,7 +251,7 @@ class Critic(nn.Module):
             b = mu[i + 1] + sig_b * torch.randn((samples, *mu[i + 1].shape), generator=generator)  # (S, out)
             x = torch.baddbmm(b[:, None, :], x, w.transpose(1, 2))  # (S, B, out)
             x = F.relu(x) if i < len(mu) - 2 else x
-        return x[..., 0]  # (S, B)
+        return self.out_scale * x[..., 0]  # (S, B)
 
     def kl(self, prior_sigma: float) -> torch.Tensor:
         """KL(N(mu, diag sigma^2) || N(theta0, prior_sigma^2 I))."""
@@ -244,12 +262,13 @@ class Critic(nn.Module):
 
 
 class Agent(nn.Module):
-    def __init__(self, obs_dim: int, act_dim: int, high: float, p: Params, pb: bool):
+    def __init__(self, obs_dim: int, act_dim: int, high: float, p: Params, pb: bool, q_scale: float = 1.0):
         super().__init__()
         self.actor = Actor(obs_dim, act_dim, p.hidden, high)
-        self.q1 = Critic(obs_dim, act_dim, p.hidden, p.prior_sigma if pb else None)
-        self.q2 = Critic(obs_dim, act_dim, p.hidden)
-        self.q1_target, self.q2_target = Critic(obs_dim, act_dim, p.hidden), Critic(obs_dim, act_dim, p.hidden)
+        self.q1 = Critic(obs_dim, act_dim, p.hidden, p.prior_sigma if pb else None, q_scale)
+        self.q2 = Critic(obs_dim, act_dim, p.hidden, out_scale=q_scale)
+        self.q1_target = Critic(obs_dim, act_dim, p.hidden, out_scale=q_scale)
+        self.q2_target = Critic(obs_dim, act_dim, p.hidden, out_scale=q_scale)
         for target, source in ((self.q1_target, self.q1), (self.q2_target, self.q2)):
             for t, s in zip(target.mu(), source.mu(), strict=True):
                 t.data.copy_(s.data)
@@ -347,10 +366,22 @@ def sac_losses(agent: Agent, b: dict[str, torch.Tensor], p: Params) -> tuple[tor
 
 
 # ---- training: SAC and PB-SAC in lock-step, each on its own chain --------------------------------------------
-def _build(p: Params, env_id: str) -> nn.ModuleDict:
+def _build(p: Params, env_id: str, c: float = 1.0) -> nn.ModuleDict:
     obs_dim, act_dim, high = env_dims(env_id)
     torch.manual_seed(p.seed)
-    return nn.ModuleDict({name: Agent(obs_dim, act_dim, high, p, pb=name == "pbsac") for name in AGENTS})
+    q_scale = c if p.critic_in_c else 1.0
+    return nn.ModuleDict({name: Agent(obs_dim, act_dim, high, p, pb=name == "pbsac", q_scale=q_scale)
+                          for name in AGENTS})
+
+
+def network_arms(model: nn.ModuleDict) -> dict[str, nn.Module | list[nn.Parameter]]:
+    """Every network its own arm (actor, critic 1, critic 2, temperature of each agent): a clip, if any, on one
+    network never scales another's update."""
+    arms: dict[str, nn.Module | list[nn.Parameter]] = {}
+    for name in AGENTS:
+        arms |= {f"{name}/{net}": getattr(model[name], net) for net in ("actor", "q1", "q2")}
+        arms[f"{name}/alpha"] = [model[name].log_alpha]
+    return arms
 
 
 def _actor_fn(actor: Actor, random_steps: int, high: float):
@@ -367,8 +398,8 @@ def train(ctx) -> None:
     refs = read_table(ctx.data_dir / "refs.parquet")
     for ei, env_id in enumerate(p.envs):
         _, _, high = env_dims(env_id)
-        model = _build(p, env_id)
         c = loss_scale(p, refs, ei)
+        model = _build(p, env_id, c)
         replays = {name: SimReplay(env_id, p.env_steps, seed=p.seed * 7919 + ei * 31 + k)
                    for k, name in enumerate(AGENTS)}
         state = {f"{name}/{k}": v for name, rb in replays.items() for k, v in rb.state.items()}
@@ -404,7 +435,8 @@ def train(ctx) -> None:
         tag = env_id.split("-")[0].lower()
         ctx.progress(f"phase {tag}: SAC and PB-SAC in lock-step, {p.env_steps} env steps each "
                      f"({p.random_steps} random, then one update of {p.batch_size} per step)")
-        ctx.fit(tag, ctx.engine(model, p.lr, arms=model), step_fn, batch_fn, p.env_steps - p.random_steps, state=state)
+        engine = ctx.engine(model, p.lr, arms=network_arms(model), grad_clip=p.grad_clip)
+        ctx.fit(tag, engine, step_fn, batch_fn, p.env_steps - p.random_steps, state=state)
         # every rank must have collected the same chains (same weights, same seeds); the state merge would hide it
         check = torch.stack([rb.state[k].double().nansum() for rb in replays.values() for k in ("r", "s")])
         if not torch.allclose(ctx.all_reduce_sum(check.clone()), check * ctx.world_size):
@@ -446,7 +478,7 @@ def certify(agent: Agent, chain: dict[str, torch.Tensor], val: dict[str, torch.T
     for sigma0 in p.sigma_grid:
         if posthoc:  # N(theta_trained, sigma^2 I) against N(theta_init, sigma^2 I)
             mu = agent.q1.mu()
-            kl = float(((agent.q1.flat_mu() - agent.q1.theta0) ** 2).sum() / (2 * sigma0**2))
+            kl = float(((agent.q1.flat_mu() - agent.q1.theta0) ** 2).sum().detach() / (2 * sigma0**2))
             losses = _losses(agent, chain, p, c, p.cert_samples, p.seed, weights=mu, sigma=sigma0)
         else:  # the learned posterior against each prior of the grid
             kl = float(agent.q1.kl(sigma0).detach())
@@ -462,6 +494,9 @@ def certify(agent: Agent, chain: dict[str, torch.Tensor], val: dict[str, torch.T
                 best[name] = (value, sigma0)
         kept[sigma0] = {"emp_loss": emp, "kl": kl, "t_mix": t_mix, "n_eff": n_eff, **bounds}
     sigma = best["markov_bound"][1]
+    if not posthoc:  # the training prior N(theta_init, sigma_0^2 I) on the same chain and targets: what rho learned
+        prior = _losses(agent, chain, p, c, p.cert_samples, p.seed, weights=agent.q1.prior_mu(), sigma=p.prior_sigma)
+        kept[sigma]["prior_emp_loss"] = float(prior.mean())
     if posthoc:
         val_loss = float(_losses(agent, val, p, c, p.cert_samples, p.seed + 1, weights=agent.q1.mu(),
                                  sigma=sigma).mean())
@@ -511,7 +546,10 @@ def evaluate(ctx) -> dict[str, float]:
             val_seeds = [20_000 + 97 * ei + v for v in range(p.validation_episodes)]
             val = _flat(run_episodes(env_id, _policy(actor, False, p.seed + 3), val_seeds))
             cert = certify(model[name], chain, val, p, c, posthoc=name == "sac")
-            results[name] = {"return": ret, "norm_return": (ret - lo) / (hi - lo), **cert}
+            # how far each critic's (mean) weights moved from their initialisation: critic 1 is PB-SAC's posterior
+            shift = {f"q{i}_shift": float((q.flat_mu() - q.theta0).norm().detach()) for i, q in
+                     ((1, model[name].q1), (2, model[name].q2))}
+            results[name] = {"return": ret, "norm_return": (ret - lo) / (hi - lo), **cert, **shift}
             ctx.progress(f"{env_id} {name}: return {ret:.1f}, Markov bound {cert['markov_bound']:.3f} "
                          f"(emp {cert['emp_loss']:.3f}, KL {cert['kl']:.1f}, n_eff {cert['n_eff']:.1f}), "
                          f"validation {cert['validation_loss']:.3f}")
@@ -602,6 +640,11 @@ PAPER = Paper(
         Compare("baseline/sac/norm_return", ">=", 0.2, name="sac_learns"),
         # t_mix is estimated from the chain: it must span many mixing times for the estimate to mean anything
         Compare("method/n_eff", ">=", 10.0, name="chain_spans_many_mixing_times"),
+        # PB-SAC's critic 1 is the posterior trained on the bound: the claim tests PB-SAC only if that posterior
+        # learned, i.e. moved from its prior far enough to fit the data: its empirical certified loss on the chain is at
+        # most half that of its prior N(theta_init, sigma_0^2 I) on the same chain and targets. A posterior that
+        # stays at its prior leaves PB-SAC's actor on critic 2 alone and every bound part about the prior.
+        Compare("method/emp_loss", "<=", "method/prior_emp_loss", scale=0.5, name="posterior_learned"),
     ), all_of=(
         Compare("method/markov_bound", "<", 1.0),  # non-vacuous: the loss lies in [0, 1]
         Compare("method/markov_bound", ">=", "method/validation_loss"),

@@ -140,3 +140,55 @@ def test_mixing_time_of_a_long_ar1_chain_gives_an_informative_n_eff():
             x[t] = 0.9 * x[t - 1] + rng.standard_normal()
         n_eff[n] = n / (9 * pb_sac.mixing_time(x))
     assert 3 < n_eff[2000] < 10 and 80 < n_eff[40000] < 160
+
+
+def test_every_network_is_its_own_arm_and_unclipped_by_default():
+    """Actor, critic 1, critic 2 and temperature of each agent are separate arms (no clip couples the actor's or the
+    temperature's update to a critic's gradient norm); every trainable parameter is in exactly one."""
+    from tasks.context import _arm_groups
+
+    p = pb_sac.Params(hidden=8)
+    model = pb_sac._build(p, "Pendulum-v1")
+    arms = pb_sac.network_arms(model)
+    assert sorted(arms) == sorted(f"{a}/{n}" for a in pb_sac.AGENTS for n in ("actor", "q1", "q2", "alpha"))
+    groups = _arm_groups(model, arms, float(p.grad_clip or 0.0))
+    assert len(groups) == 8 and all(g["max_norm"] == 0.0 for g in groups)
+    assert {id(q) for g in groups for q in g["params"]} == {id(q) for q in model.parameters() if q.requires_grad}
+    assert any("log_sigma" in n for n, _ in model["pbsac"].q1.named_parameters())  # rho's sigma trains with critic 1
+
+
+def test_critic_in_units_of_c_scales_q_and_prior_mu_is_the_init():
+    torch.manual_seed(3)
+    plain = pb_sac.Critic(3, 1, 8, prior_sigma=0.05)
+    torch.manual_seed(3)
+    scaled = pb_sac.Critic(3, 1, 8, prior_sigma=0.05, out_scale=160.0)
+    s, a = torch.randn(4, 3), torch.randn(4, 1)
+    assert torch.allclose(scaled(s, a), 160.0 * plain(s, a))
+    g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    assert torch.allclose(scaled(s, a, samples=2, generator=g1), 160.0 * plain(s, a, samples=2, generator=g2))
+    for q, q0 in zip(scaled.mu(), scaled.prior_mu(), strict=True):
+        assert torch.equal(q, q0)
+    with torch.no_grad():
+        scaled.layers[-1].bias.add_(1.0)
+    assert scaled.prior_mu()[-1][0].item() != scaled.layers[-1].bias[0].item()  # theta0 is a copy, not a view
+    p = pb_sac.Params(hidden=8, critic_in_c=True)
+    model = pb_sac._build(p, "Pendulum-v1", c=160.0)
+    assert all(getattr(model[n], q).out_scale == 160.0 for n in pb_sac.AGENTS
+               for q in ("q1", "q2", "q1_target", "q2_target"))
+
+
+def test_prior_loss_of_the_premise_equals_the_posteriors_at_init_and_ignores_its_moves():
+    """posterior_learned compares the posterior's empirical loss with its prior's on the same chain and targets: at
+    init (rho = pi_0) they coincide; moving rho's mean changes only the posterior's."""
+    p = pb_sac.Params(hidden=8, cert_samples=4, sigma_grid=[0.03], prior_sigma=0.03)
+    torch.manual_seed(0)
+    agent = pb_sac._build(p, "Pendulum-v1", c=50.0)["pbsac"]
+    chain = pb_sac._flat(pb_sac.run_episodes("Pendulum-v1", pb_sac._policy(agent.actor, False, 0), [1, 2]))
+    val = pb_sac._flat(pb_sac.run_episodes("Pendulum-v1", pb_sac._policy(agent.actor, False, 1), [3]))
+    at_init = pb_sac.certify(agent, chain, val, p, 50.0, posthoc=False)
+    assert at_init["kl"] < 1e-6 and math.isclose(at_init["emp_loss"], at_init["prior_emp_loss"], rel_tol=1e-5)
+    with torch.no_grad():
+        agent.q1.layers[-1].bias.add_(-1.0)  # Q shifts by -c: rho moves away from pi_0
+    moved = pb_sac.certify(agent, chain, val, p, 50.0, posthoc=False)
+    assert moved["kl"] > 100 and moved["emp_loss"] != at_init["emp_loss"]
+    assert math.isclose(moved["prior_emp_loss"], at_init["prior_emp_loss"], rel_tol=1e-6)
