@@ -104,6 +104,22 @@ def _follow_current_streams() -> None:
     settings.route_chatter("dvc", "dvc_objects", "dvc_data")
 
 
+@contextmanager
+def project_on_pythonpath():
+    """Put the project root first on PYTHONPATH while DVC runs stage commands: a variant stage runs in
+    variants/<id>/<profile>-<hash>/, where `python -m tasks.prepare_stage` would otherwise import whatever
+    `paperline` is installed (another checkout's code, for a git worktree sharing one editable install)."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(settings.root()), before) if p)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
 def reproduce(stage: DataStage, force: bool = False) -> PreparedData:
     """Run the stage through DVC's Python API (a no-op when up to date) and read its data hash from dvc.lock."""
     from dvc.repo import Repo
@@ -112,7 +128,7 @@ def reproduce(stage: DataStage, force: bool = False) -> PreparedData:
     _follow_current_streams()
     # DVC resolves stage paths against the current directory, so work from the repo root (under the lock,
     # which also serialises every DVC call of this process and others).
-    with dvc_lock(), chdir(settings.root()), Repo(str(settings.root())) as repo:
+    with dvc_lock(), chdir(settings.root()), project_on_pythonpath(), Repo(str(settings.root())) as repo:
         before = locked_hash(stage)
         ran = bool(repo.reproduce(targets=[stage.target], force=force))
     data_hash = locked_hash(stage)
