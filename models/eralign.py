@@ -24,7 +24,10 @@ Deviations from the paper (choices the abstract left open):
   step executes per node (forward and backward, counted on the executed ops with torch's flop formulas, so ED's
   repetition over layers and CD's Langevin chain count as run) in `cost_per_step` [step_flops]. It depends only on
   M, L and the Langevin steps, so ED-vs-CD cost is claim context, not evidence.
-- Smoke holds out 40 % of graph 1 as test nodes (200); the labelled nodes are rate x n either way.
+- Smoke holds out half of graph 1 as test nodes; the labelled nodes are rate x n either way. Its world is harder
+  than the spec's (graph 1: homophily 0.6, q 0.4, mean degree 4, text noise 0.3): at the spec's world the best
+  baseline sat at the accuracy ceiling, so the premises `room_to_improve_r*` (best baseline <= ROOM_BAR) now guard
+  the accuracy parts. `word_noise` (topic-word overlap between classes) is a further world knob, off by default.
 - The ED/CD accuracy condition "ED.acc >= CD.acc - 1 point" is a comparison with a margin of -0.01.
 - The claim covers the label rates both smoke and full run (5 % and 20 %); 60 % (full) is reported beside it.
 - The CD baseline adds the energy-magnitude penalty cd_reg (E+^2 + E-^2) of Du & Mordatch (2019): without it
@@ -59,6 +62,8 @@ TOPIC_ORDER = ("music", "law", "cooking", "astronomy", "sports", "medicine", "fi
 ALIGNED = ("eralign", "gcn", "infonce", "mse")  # read [h^L; P_t t]
 EVERY_RATE = ("eralign", "gcn", "mlp", "infonce", "mse")
 AT_ABLATION_RATE = ("cd", "final_only")
+BASELINES = ("gcn", "mlp", "infonce", "mse", "cd")  # final_only is ERAlign's own ablation, not a baseline
+ROOM_BAR = 0.85  # premise: the best baseline leaves room to improve (the old world had GCN at ~0.93, ceiling-bound)
 
 
 class GraphSpec(PaperParams):
@@ -77,6 +82,8 @@ class Params(PaperParams):
     mean_degree: float = Field(6.0, gt=0, description="Mean degree of both SBMs.")
     words: int = Field(10, ge=2, description="Words per node sentence.")
     text_noise: float = Field(0.2, ge=0, lt=1, description="Share of nodes whose text comes from another class.")
+    word_noise: float = Field(0.0, ge=0, lt=1, description="Topic overlap: share of a text's topic words drawn "
+                              "from another class's topic.")
     heldout_edges: float = Field(0.1, gt=0, lt=1, description="Share of graph-1 edges held out for link prediction.")
     text_encoder: Literal["minilm", "hashed"] = Field("minilm", description="Node text embeddings.")
     label_rates: list[float] = Field([0.05, 0.2], min_length=1, description="Label rates (train share of graph 1).")
@@ -103,7 +110,7 @@ def _synthetic(spec: GraphSpec, p: Params, rng: np.random.Generator):
     noisy = rng.random(spec.n) < p.text_noise
     text_class = np.where(noisy, (labels + rng.integers(1, p.n_classes, spec.n)) % p.n_classes, labels)
     texts = G.node_texts(text_class, [G.TOPICS[t] for t in TOPIC_ORDER[: p.n_classes]], p.words, rng,
-                         topic_share=spec.q)
+                         word_noise=p.word_noise, topic_share=spec.q)
     return labels, texts, edges
 
 
@@ -377,6 +384,9 @@ def evaluate(ctx) -> dict[str, float]:
                     gap = net.energy(zg[-1][test], net.text(neg)) - net.energy(zg[-1][test], zt[test])
                 out[f"detail/{kind}/energy_gap"] = float(gap.mean())
                 out[f"detail/{kind}/cka"] = linear_cka(zg[-1][test].numpy(), zt[test].numpy())
+    for rate in p.label_rates:  # the best baseline at each rate (the room-to-improve premise reads it)
+        out[f"detail/best_baseline_acc_r{round(rate * 100)}"] = max(
+            by_rate[rate] for kind, by_rate in accs.items() if kind in BASELINES and rate in by_rate)
     _plot(ctx.plots_dir / "accuracy_by_label_rate.png", accs)
     return out
 
@@ -398,9 +408,12 @@ def _plot(path: Path, accs: dict) -> None:
 
 def _claim() -> Claim:
     base = tuple(k for k in EVERY_RATE if k != "eralign")
-    return Claim(premises=(  # the experiment tests alignment only if the encoders learn the task (chance 1/5)
+    return Claim(premises=(  # the experiment tests alignment only if the encoders learn the task (chance 1/5) ...
         Compare("baseline/gcn/acc_r5", ">", 0.2, name="gcn_above_chance_r5"),
         Compare("baseline/mlp/acc_r5", ">", 0.2, name="mlp_above_chance_r5"),
+        # ... and only if the best baseline is below the ceiling: at ~0.93 on 200 test nodes, one node was the effect
+        *(Compare(f"detail/best_baseline_acc_r{r}", "<=", ROOM_BAR, name=f"room_to_improve_r{r}",
+                  guards=(f"method/acc_r{r}",)) for r in (5, 20)),
     ), all_of=(
         Compare("method/acc_r5", ">", tuple(f"baseline/{k}/acc_r5" for k in base)),
         Compare("method/acc_r20", ">", tuple(f"baseline/{k}/acc_r20" for k in (*base, "cd"))),

@@ -26,7 +26,10 @@ What it implements (function names in brackets):
 - baselines with the same model, data, rounds, batches and learning rate: FedAvg, FedProx (mu), FedAvg + SCE,
   FedAvg + Co-teaching; and FedAvg on the true labels [CLEAN], the premise that the task is learnable at all;
 - memorisation probe in the FedAvg run: per round, the share of noisy-labelled training samples predicted as their
-  noisy label by the global model and by each local model after local training [server_round];
+  noisy label by the global model and by each local model after local training [server_round]; context, not
+  claim: a local model is scored on the samples it has just trained on, and the same probe of an untrained model
+  (FedAvg's round-0 global model, which memorised nothing) also lies above the trained global model's
+  [untrained_memorisation];
 - precision and recall of the refined labels against the true labels [refine_scores].
 
 The phenomenon is controlled by `settings[*].rho_min/rho_max` (label-noise ratio per client; [0, 0] turns label
@@ -675,7 +678,31 @@ def evaluate(ctx) -> dict[str, float]:
                             ("clean", "mislabeled"), "running-mean CE of the global model", f"{name}: loss proxies")
     if (-1, CLEAN) in where:
         out[f"baseline/{CLEAN}/test_acc"] = float(acc[-1, where[(-1, CLEAN)]])
+    per["detail/fedavg/mem_untrained_local"] = untrained_memorisation(ctx.params, d, arm_list)
     return {k_: float(np.mean(v)) for k_, v in per.items()} | out
+
+
+def untrained_memorisation(p: Params, d: dict, arm_list: list[Arm]) -> list[float]:
+    """The memorisation probe of a local model that memorised nothing: FedAvg's round-0 global model (the weights
+    every client starts from, before any training), scored like `mem_local` on each client's own mislabelled
+    samples and averaged over clients; one value per setting. A trained global model predicts the true label on a
+    mislabelled sample, so its share predicted as the noisy label falls below what any untrained model scores:
+    where this probe also exceeds `mem_auc_global`, "global < local" holds without any local memorisation."""
+    first = d["shape"][0] if p.arch == "cnn" else d["x"].shape[1]
+    fed0 = Federation(arm_list, d["K"], (first, *p.hidden, d["classes"]), len(d["true"]), 1, p.seed, p.arch)
+    out = []
+    with torch.no_grad():
+        for s in range(len(d["settings"])):
+            mislabeled = d["noisy"][s] != d["true"]
+            w0 = [w[fed0.index("fedavg", s)[0]][None] for w in fed0.weights("glob")]
+            shares = []
+            for k in range(d["K"]):
+                own = (d["owner"] == k) & mislabeled
+                if own.any():
+                    logits, _ = net(w0, d["x"][own][None])
+                    shares.append(float((logits[0].argmax(-1) == d["noisy"][s, own]).float().mean()))
+            out.append(float(np.mean(shares)) if shares else 0.0)
+    return out
 
 
 def _curves(path: Path, curves: dict[str, np.ndarray], ylabel: str, title: str) -> None:
@@ -707,15 +734,22 @@ PAPER = Paper(
             Compare(f"baseline/{CLEAN}/test_acc", ">", CLEAN_BAR, name="fedavg_learns_clean_labels"),
         ),
         all_of=(
-            Compare("baseline/fedavg/mem_auc_global", "<", "baseline/fedavg/mem_auc_local"),
             *(Compare(f"method/test_acc_{s}", ">", tuple(f"baseline/{b}/test_acc_{s}" for b in BASELINES))
               for s in SETTINGS),
             *(Compare("method/test_acc_severe", ">", f"ablation/{ab}/test_acc_severe") for ab in ABLATIONS),
         ),
-        context=(Compare("method/refine_recall_severe", ">", RECALL_BAR),),
-        summary="the FedAvg global model memorises noisy labels less than local models; FedGR's final test accuracy "
-                "beats every baseline in each noise setting; and each single-module ablation (no sniffing/refining, "
-                "no EMA distillation, no representation loss) is below full FedGR in the severe setting",
-        note="4 of the paper's 8 baselines; module ablations in the severe setting only",
+        context=(  # the memorisation observation scores each local model on the samples it has just trained on,
+            # and an untrained model (which memorised nothing) also scores above the global one: not evidence
+            Compare("baseline/fedavg/mem_auc_global", "<", "baseline/fedavg/mem_auc_local"),
+            Compare("baseline/fedavg/mem_auc_global", "<", "detail/fedavg/mem_untrained_local"),
+            Compare("method/refine_recall_severe", ">", RECALL_BAR),
+        ),
+        summary="FedGR's final test accuracy beats every baseline in each noise setting; and each single-module "
+                "ablation (no sniffing/refining, no EMA distillation, no representation loss) is below full FedGR in "
+                "the severe setting",
+        note="4 of the paper's 8 baselines; module ablations in the severe setting only; unequal tuning: FedGR's "
+             "sniff_round and shift_pixels were chosen by an earlier smoke trial, while no baseline knob was tuned "
+             "(FedProx mu, SCE alpha/beta, Co-teaching's ramp keep their published defaults) and no arm has a "
+             "validation split; Co-teaching's forget rate is each client's true noise ratio (an oracle)",
     ),
 )

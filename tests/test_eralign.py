@@ -117,3 +117,28 @@ def test_prepare_two_graphs_heldout_edges_and_label_rates(tmp_path):
     small, large = eralign.train_nodes(g1_nodes, 0.05), eralign.train_nodes(g1_nodes, 0.2)
     assert set(small) <= set(large) and len(large) == 12  # nested label sets, test nodes never labelled
     assert not set(large) & set(np.flatnonzero(g1_nodes["split"] == "test"))
+
+
+def test_word_noise_draws_topic_words_from_other_classes(tmp_path):
+    """The topic-overlap knob: with q = 1 and no text noise, every word is a topic word; word_noise is the share
+    drawn from another class's topic (0 by default)."""
+    topics = [set(eralign.G.TOPICS[t]) for t in eralign.TOPIC_ORDER[:3]]
+    shares = []
+    for wn in (0.0, 0.5):
+        p = _p(graph1=dict(n=200, q=1.0), text_noise=0.0, word_noise=wn)
+        (tmp_path / str(wn)).mkdir()
+        eralign.prepare(p, tmp_path / str(wn))
+        nodes = read_table(tmp_path / str(wn) / "nodes.parquet")
+        own = [np.mean([w in topics[c] for w in t.split()]) for t, c, g in
+               zip(nodes["text"], nodes["label"], nodes["graph_id"], strict=True) if g == 0]
+        shares.append(float(np.mean(own)))
+    assert shares[0] == 1.0 and 0.4 < shares[1] < 0.6
+
+
+def test_room_to_improve_premises_guard_their_rates_parts():
+    premises = {c.name: c for c in eralign.PAPER.claim.premises}
+    for r in (5, 20):
+        room = premises[f"room_to_improve_r{r}"]
+        assert room.left == f"detail/best_baseline_acc_r{r}" and room.op == "<=" and room.right == 0.85
+        guarded = [part.left for part in eralign.PAPER.claim.all_of if part.guarded_by(room)]
+        assert guarded and set(guarded) == {f"method/acc_r{r}"}

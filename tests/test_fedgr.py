@@ -298,3 +298,22 @@ def test_pair_flip_ratio_is_capped_so_the_true_label_stays_the_majority(tmp_path
         for cls in np.unique(true[owner == k]):
             given = noisy[(owner == k) & (true == cls)]
             assert (given == cls).sum() > len(given) / 2
+
+
+def test_untrained_memorisation_scores_the_round0_model_on_each_clients_own_mislabelled_samples():
+    """The probe of a model that memorised nothing: FedAvg's initial global model, per client, by hand; a setting
+    without mislabelled samples scores 0."""
+    d = _tiny_data()
+    d |= {"K": 3, "settings": ["mild", "severe"], "classes": 3}
+    d["noisy"][1, ::3] = (d["true"][::3] + 1) % 3
+    p = fedgr.Params(settings=SETTINGS, clients=3, hidden=(6, 5), seed=4)
+    arm_list = fedgr.arms(["mild", "severe"], True, True)
+    got = fedgr.untrained_memorisation(p, d, arm_list)
+    fed0 = fedgr.Federation(arm_list, 3, (4, 6, 5, 3), 24, rounds=1, seed=4)
+    w0 = [w[fed0.index("fedavg", 1)[0]] for w in fed0.weights("glob")]
+    pred = fedgr.mlp([w[None] for w in w0], d["x"][None])[0][0].argmax(-1)
+    wrong = d["noisy"][1] != d["true"]
+    by_hand = [float((pred[own] == d["noisy"][1, own]).float().mean())
+               for own in ((d["owner"] == k) & wrong for k in range(3)) if own.any()]
+    assert got[0] == 0.0 and np.isclose(got[1], np.mean(by_hand))
+    assert 0.0 <= got[1] <= 1.0
