@@ -33,7 +33,7 @@ What it implements (function names in brackets):
 Deviations from the paper (choices the abstract left open):
 - all trained arms live in ONE DeepSpeed engine (a ModuleDict; start-up paid once). Each stage is a `ctx.fit` phase
   with a fresh AdamW state at a constant rate without warm-up: `lr`, except DFT at `dft_lr` [phase_lr], the same
-  for every arm (a fresh AdamW at the tuning rate undid the tuned recognition in DFT). A phase sets requires_grad
+  for every arm and chosen on a held-out world (another seed), not on a replicate's test set. A phase sets requires_grad
   only on the parameters it trains [TRAINABLE], so the others get no gradient, no all-reduce and no update.
   Branches (frozen renderer, no-CRD, no-DFT) are in-place copies made at phase boundaries; the after-tuning
   SkeletonLLM state is saved as a snapshot file (compared with the frozen renderer, which trains only in the tuning
