@@ -32,10 +32,12 @@ What it implements (function names in brackets):
 
 Deviations from the paper (choices the abstract left open):
 - all trained arms live in ONE DeepSpeed engine (a ModuleDict; start-up paid once). Each stage is a `ctx.fit` phase
-  with a fresh AdamW state; a phase sets requires_grad only on the parameters it trains [TRAINABLE], so the others
-  get no gradient, no all-reduce and no update. Branches (frozen renderer, no-CRD, no-DFT) are in-place copies made
-  at phase boundaries; the after-tuning SkeletonLLM state is saved as a snapshot file (compared with the frozen
-  renderer, which trains only in the tuning stage).
+  with a fresh AdamW state at a constant rate without warm-up: `lr`, except DFT at `dft_lr` [phase_lr], the same
+  for every arm and chosen on a held-out world (another seed), not on a replicate's test set. A phase sets requires_grad
+  only on the parameters it trains [TRAINABLE], so the others get no gradient, no all-reduce and no update.
+  Branches (frozen renderer, no-CRD, no-DFT) are in-place copies made at phase boundaries; the after-tuning
+  SkeletonLLM state is saved as a snapshot file (compared with the frozen renderer, which trains only in the tuning
+  stage).
 - "root" for centring is the sequence's bounding-box centre (the COCO-like format has no pelvis); descriptor depth is
   the depth along the limb chain (tree depth differs between formats, so it would not be format-free).
 - cooperative training keeps earlier skills by replay [TASKS]: CRD trains rationale+answer together with recognition
@@ -140,7 +142,9 @@ class Params(PaperParams):
     crd_steps: int = Field(40, ge=1, description="Causal Reasoning Distillation steps.")
     dft_steps: int = Field(40, ge=1, description="Discriminative Finetuning steps.")
     batch_size: int = Field(32, ge=2)
-    lr: float = Field(2e-3, gt=0)
+    lr: float = Field(2e-3, gt=0, description="AdamW rate of stage 0, tuning and CRD (constant, no warm-up).")
+    dft_lr: float | None = Field(None, gt=0, description="AdamW rate of every arm's DFT phase (None: lr); the DFT "
+                                 "phase starts from a fresh AdamW state, with no warm-up, at this rate.")
 
 
 # ---- data ----------------------------------------------------------------------------------------------------
@@ -569,6 +573,11 @@ ARM_TASKS = {("crd", "nocrd"): ("post", "rec", "cap"), ("dft", "nocrd"): ("post"
 DFT_ARMS = ("skel", "feature", "vq", "nocrd")  # arms whose DFT phase adds the candidate loss
 
 
+def phase_lr(p: Params, phase: str) -> float:
+    """The constant AdamW rate of a phase: `dft_lr` for DFT (every arm), `lr` otherwise."""
+    return p.dft_lr if phase == "dft" and p.dft_lr is not None else p.lr
+
+
 def train(ctx) -> None:
     p: Params = ctx.params
     d = load(ctx.data_dir, p)
@@ -627,7 +636,9 @@ def train(ctx) -> None:
                 cache["frozen"] = torch.cat([arms["frozen"].render(joints[c], *fmt) for c in
                                              torch.arange(len(joints)).split(64)])  # (N, 3, 2 tile, 2 tile)
         optim = getattr(engine.optimizer, "optimizer", engine.optimizer)
-        optim.state.clear()  # a fresh AdamW per stage
+        optim.state.clear()  # a fresh AdamW per stage, at the stage's rate (the same for every arm it trains)
+        for group in optim.param_groups:
+            group["lr"] = phase_lr(p, phase)
         ctx.progress(f"phase {phase}: arms {SCHEDULE.get(phase, ('skel', 'vq'))}")
         ctx.fit(phase, engine, step_fn(phase), batches(k), steps[phase])
 
@@ -762,6 +773,10 @@ PAPER = Paper(
         Compare("detail/differentiable_tuned/acc", ">", "baseline/frozen/acc"),
         Compare("method/confusable_acc", ">", "baseline/no_dft/confusable_acc"),
         Compare("method/reasoning_acc", ">", "baseline/no_crd/reasoning_acc"),
-    ), summary="DrAction rendering beats feature and VQ alignment (in and across formats); the differentiable "
-               "renderer beats a frozen one; DFT helps confusable pairs; CRD helps reasoning"),
+    ), note="inputs differ by design: the feature and VQ baselines read the 3-D joints in named slots (left and "
+            "right explicit), SkeletonLLM infers sides from 2-D renderings under +-camera_jitter heading; its "
+            "'native visual modality' is stage 0's captioning steps on line drawings, not a pretrained MLLM; every "
+            "arm's DFT phase runs at dft_lr, chosen on a held-out world (seed 100), not on the replicates' test sets",
+        summary="DrAction rendering beats feature and VQ alignment (in and across formats); the differentiable "
+                "renderer beats a frozen one; DFT helps confusable pairs; CRD helps reasoning"),
 )

@@ -114,7 +114,9 @@ def test_claim_premises_make_a_floor_run_inconclusive():
     worked = [base | {"baseline/gen/coverage": g, "method/coverage": c, "detail/best_decoder_coverage": c}
               for g, c in ((0.2, 0.5), (0.3, 0.6), (0.2, 0.6))]
     assert pm.PAPER.claim.decide(worked).verdict == "holds"
-    assert [p.role for p in pm.PAPER.claim.decide(worked).parts].count("context") == 1  # finding 3: shown only
+    assert [p.role for p in pm.PAPER.claim.decide(worked).parts].count("context") == 2  # findings 2, 3: shown only
+    flipping = [w | {"baseline/det/flip_rate": f} for w, f in zip(worked, (0.9, 0.8, 1.0), strict=True)]
+    assert pm.PAPER.claim.decide(flipping).verdict == "holds"  # context: a failing flip rate cannot sink the claim
 
 
 def test_linear_cka_invariances():
@@ -175,6 +177,28 @@ def test_coords_match_the_folding_rule(world):
     tid, seq = t["target_id"][0], t["sequence"][0]
     a = np.stack([c[k][(c["target_id"] == tid) & (c["state"] == "A")] for k in "xyz"], 1)
     assert np.allclose(a, pm.fold_states(seq, p.hinge_angle)[0])
+
+
+def test_an_untrained_deterministic_decoder_already_passes_finding_2(tmp_path):
+    """Why `det.flip_rate < 0.5` is context, not evidence: at initialisation (a) barely reads the context token,
+    so its majority state flips with the context on fewer than half of the induced targets, as the claim asks."""
+    p = pm.Params(n_targets=90, n_test=10, length=(12, 14), d_s=8, d_z=8, hidden=16, egnn_layers=1, sample_steps=2,
+                  k_samples=5, seed=3)
+    pm.prepare(p, tmp_path)
+    d = pm._load(tmp_path)
+    t = d["t"]
+    test = np.flatnonzero(t["split"] == "test")
+    conds, _ = pm._conditions(d, test)
+    torch.manual_seed(p.seed)
+    systems = pm.Systems(p).eval()  # never trained
+    out = pm._samples(p, systems, pm.Debiased(p, systems.gen_trunk, systems.ab), pm._inputs(d, conds),
+                      np.array([len(s) for s in t["sequence"][test]]))
+    refs = [(d["refs"][(tid, "A")], d["refs"][(tid, "B")]) for tid in t["target_id"][test]]
+    rmsd = np.stack([np.resize(pm._rmsd_to_refs(x, *r), (p.k_samples, 2)) for x, r in zip(out["det"], refs,
+                                                                                            strict=True)])
+    m = pm.scheme_metrics(rmsd, t["mechanism"][test], t["state"][test], t["target_id"][test], 2.0)
+    assert m["flip_rate"] < 0.5  # 20 induced targets: the part passes with nothing learned
+    assert m["state_acc"] < 0.8  # and the decoder is not a good state reader by chance
 
 
 def test_nearest_reference_prefers_identity_and_equal_length():

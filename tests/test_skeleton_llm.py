@@ -156,6 +156,14 @@ def test_every_ablation_trains_as_many_steps_on_the_same_prompts_as_its_method()
     assert tasks["dft", "nodft"] == tasks["dft", "skel"]
 
 
+def test_every_arm_trains_its_dft_phase_at_dft_lr_and_other_phases_at_lr():
+    p = sk.Params(lr=2e-3, dft_lr=5e-4)
+    assert [sk.phase_lr(p, ph) for ph in sk.PHASES] == [2e-3, 2e-3, 2e-3, 5e-4]
+    assert all(sk.phase_lr(sk.Params(lr=1e-3), ph) == 1e-3 for ph in sk.PHASES)  # no dft_lr: one rate throughout
+    with pytest.raises(ValueError):
+        sk.Params(dft_lr=0.0)
+
+
 def test_smoke_profile_tests_on_more_than_60_sequences():
     from models import registry
     from tasks import settings
