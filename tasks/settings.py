@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
@@ -77,10 +78,25 @@ def configure_environment() -> None:
         os.environ.setdefault(key, value)
     # Prefect creates its home folder without parents, and then cannot open its database
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+    clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
     # DVC stages run `python ...` through a shell: make that the interpreter running paperline, venv or not.
     bin_dir = str(Path(sys.executable).parent)
     if os.environ.get("PATH", "").split(os.pathsep)[0] != bin_dir:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
+# a DeepSpeed CPU-op build takes minutes (~11 on a 2-core machine at load 20): a lock this old outlived its build
+STALE_BUILD_LOCK_S = 3600
+
+
+def clear_stale_build_locks(extensions_dir: Path, max_age_s: float = STALE_BUILD_LOCK_S) -> list[Path]:
+    """Remove torch's extension-build lock files older than `max_age_s`. torch waits on `<op>/lock` for as long as
+    it exists, and a build killed half-way never removes it: every later run then hangs before its first step."""
+    now = time.time()
+    stale = [lock for lock in extensions_dir.glob("*/lock") if now - lock.stat().st_mtime > max_age_s]
+    for lock in stale:
+        lock.unlink(missing_ok=True)
+    return stale
 
 
 # ---- a console a person wants to read -------------------------------------------------------------------------
