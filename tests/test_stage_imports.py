@@ -12,7 +12,11 @@ from tasks import data, settings
 
 def test_a_variant_stage_command_imports_this_checkout(tmp_path: Path, monkeypatch) -> None:
     # a variant stage runs in variants/<id>/<profile>-<hash>/: stand in for it with a directory outside the project,
-    # and for another checkout's editable install with a PYTHONPATH entry that shadows nothing here
+    # and for another checkout with a PYTHONPATH entry holding a `tasks` package of its own, which would win
+    other = tmp_path / "elsewhere" / "tasks"
+    other.mkdir(parents=True)
+    (other / "__init__.py").touch()
+    (other / "prepare_stage.py").touch()
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "elsewhere"))
     probe = [sys.executable, "-c", "import tasks.prepare_stage as m; print(m.__file__)"]
     with data.project_on_pythonpath():
