@@ -3,6 +3,7 @@
     python benchmarks/tables.py suite          # smoke wall/CPU/stage times per paper, slowest first
     python benchmarks/tables.py suite_run      # the whole suite in one command: per setting, then per paper
     python benchmarks/tables.py suite_run --write   # into its generated block in benchmarks/README.md
+    python benchmarks/tables.py step_cost      # the platform's cost a training step against a plain loop
     python benchmarks/tables.py reproduce      # which papers reproduce bitwise
 """
 
@@ -63,6 +64,17 @@ def suite_run() -> str:
     return "\n".join(lines)
 
 
+def step_cost() -> str:
+    results = json.loads((RESULTS / "step_cost.json").read_text())
+    lines = [f"{results['commit']}, {results['measured_at']}: {results['steps']} steps, batch {results['batch']}, "
+             f"{results['threads']} threads, median of {results['repeats']} alternating repeats\n",
+             "| model | plain PyTorch ms a step | engine + ctx.fit ms a step | ratio (target <= 1.2) |",
+             "| --- | --- | --- | --- |"]
+    for name, r in results["models"].items():
+        lines.append(f"| {name} | {r['plain_ms']} | {r['platform_ms']} | {r['ratio']} |")
+    return "\n".join(lines)
+
+
 def reproduce() -> str:
     results = json.loads((RESULTS / "reproducibility.json").read_text())
     lines = []
@@ -93,7 +105,7 @@ def write(name: str, readme: Path = README) -> None:
     readme.write_text(f"{head}{begin}\n{TABLES[name]()}\n{end}{rest.split(end, 1)[1]}")
 
 
-TABLES = {"suite": suite, "suite_run": suite_run, "reproduce": reproduce}
+TABLES = {"suite": suite, "suite_run": suite_run, "step_cost": step_cost, "reproduce": reproduce}
 
 if __name__ == "__main__":
     if sys.argv[2:] == ["--write"]:
