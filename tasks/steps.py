@@ -64,6 +64,20 @@ def evaluate_task(paper: Paper, params: PaperParams, data_dir: Path, out_dir: Pa
 _EVALUATING = threading.Lock()
 
 
+def single_threaded_blas() -> None:
+    """NumPy's OpenBLAS in this (the flow's) process on one thread, as evaluations run their torch ops
+    (`eval_threads`): with its default thread server a suite's evaluation hung for 20 minutes in exec_blas, spinning
+    on a worker thread that slept in a futex (spectral_schedule's scikit-learn MLP, 29 papers into a `--parallel 2`
+    suite). Set once, at import, before any thread of the flow calls BLAS (changing it while a call runs is unsafe)."""
+    import numpy  # noqa: F401 - loads the BLAS library that threadpoolctl limits
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(1, user_api="blas")
+
+
+single_threaded_blas()
+
+
 def evaluate(paper: Paper, params: PaperParams, data_dir: Path, out_dir: Path,
              run_id: str | None) -> dict[str, float]:
     """Run the paper's evaluation of one replicate and add what its training loop measured (`fit_metrics`); with a

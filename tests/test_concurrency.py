@@ -3,6 +3,8 @@ lock is waited for with a message, never a crash."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import threading
@@ -13,6 +15,7 @@ from mlflow import MlflowClient
 
 from models import registry
 from tasks import data, settings
+from tests.conftest import PROJECT
 
 pytestmark = pytest.mark.e2e
 
@@ -80,3 +83,21 @@ def _assert_own_folders(client, workspace, run) -> None:
     assert (workspace / "runs" / "sei" / run.info.run_id / "claim.json").exists()
     (child,) = client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")
     assert list((workspace / "runs" / "sei" / child.info.run_id).glob("checkpoints/*/committed.json"))
+
+
+
+def test_the_flow_process_runs_blas_on_one_thread():
+    """Evaluations run in the flow's process; OpenBLAS's thread server hung one of them for 20 minutes in a suite
+    (tasks/steps.single_threaded_blas), so every BLAS library there runs on one thread. In a fresh interpreter on
+    every core (a test worker is pinned to one, where OpenBLAS would start one thread anyway)."""
+    probe = ("import json, numpy; from threadpoolctl import threadpool_info\n"
+             "blas = lambda: [i['num_threads'] for i in threadpool_info() if i['user_api'] == 'blas']\n"
+             "before = blas(); import tasks.steps; print(json.dumps([before, blas()]))")
+    every_core = lambda: os.sched_setaffinity(0, range(os.cpu_count()))  # noqa: E731
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         cwd=PROJECT,
+                         preexec_fn=every_core)
+    before, after = json.loads(out.stdout.strip().splitlines()[-1])
+    assert after and set(after) == {1}, after
+    if os.cpu_count() > 1:
+        assert max(before) > 1, "the probe should start where OpenBLAS runs a thread server"
