@@ -34,14 +34,15 @@ def suite() -> str:
 
 def suite_run() -> str:
     results = json.loads((RESULTS / "suite_run.json").read_text())
-    lines = ["| setting | commit | measured | wall min | CPU s | cores busy | load before | papers finished |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| setting | commit | measured | wall min | CPU s | cores busy | load before | papers finished | exit |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     settings = {k: v for k, v in results.items() if k.startswith("parallel_") and "cpu_s" in v}
     for key, r in settings.items():
         lines.append(f"| {key.replace('_', ' ')} | {r['commit']} | {r['measured_at']} | {r['wall_s'] / 60:.1f} | "
                      f"{r['cpu_s']:.0f} | {100 * r['core_busy']:.0f} % | {r['load_1m_before']} | "
-                     f"{r['papers_finished']} |")
-    for key, r in settings.items():
+                     f"{r['papers_finished']} | {r.get('exit_code', '')} |")
+    lines += [f"\n`{key}`: {r['note']}" for key, r in settings.items() if r.get("note")]
+    for key, r in ((k, r) for k, r in settings.items() if r.get("papers")):
         lines += [f"\n`{key}`, per paper (slowest first; CPU s a replicate: mean / max; steps a second per phase, "
                   "mean over replicates):\n",
                   "| paper | wall s | replicates | CPU s a replicate | prepare s | replicates s | "
