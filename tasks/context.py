@@ -210,6 +210,25 @@ class _ParametersAs:
         return self.module.buffers()
 
 
+def ema_decay(decay: float, updates: int) -> float:
+    """The decay of the EMA's update after `updates` earlier ones: min(decay, (1 + n) / (10 + n)), the warm-up of
+    TensorFlow's ExponentialMovingAverage(num_updates=n). Without it the average keeps decay^n of the weights it
+    copied at the first step (the initial ones, while the learning rate warms up from 0): 11 % after 220 steps at
+    0.99."""
+    return min(decay, (1 + updates) / (10 + updates))
+
+
+def ema_with_warmup(decay: float):
+    """AveragedModel's `multi_avg_fn` for an EMA with `ema_decay`'s warm-up (torch's get_ema_multi_avg_fn has a
+    fixed decay); AveragedModel copies the weights at its first update and counts the updates in `n_averaged`,
+    which is checkpointed with it, so a resumed run continues the same ramp."""
+
+    def update(averaged: list[torch.Tensor], current: list[torch.Tensor], num_averaged: torch.Tensor) -> None:
+        torch._foreach_lerp_(averaged, current, 1.0 - ema_decay(decay, int(num_averaged)))
+
+    return update
+
+
 def _update_ema(averaged: Any, model: torch.nn.Module) -> None:
     """Average the parameters, in the EMA's own precision (fp32 while DeepSpeed trains a bf16 copy: a bf16 average
     would lose the small updates); AveragedModel keeps the buffers equal to the live model's."""
@@ -270,9 +289,9 @@ class TrainContext:
         `warmup`, `decay` ("constant", "cosine", "linear") and `steps` (the phase's length, needed to decay): the
         learning-rate schedule, DeepSpeed's WarmupLR / WarmupCosineLR / WarmupDecayLR (in the checkpoint), linear
         warm-up from 0; DeepSpeed warms up for at least 2 steps.
-        `ema`: keep an exponential moving average of the weights with this decay (torch.optim.swa_utils), updated
-        after every step by `fit`, checkpointed with it and saved as `network.<phase>.ema.pt`; `ema_module(engine)`
-        reads it."""
+        `ema`: keep an exponential moving average of the weights with this decay (torch.optim.swa_utils; the decay
+        warms up as in `ema_decay`, so the average forgets the initial weights), updated after every step by `fit`,
+        checkpointed with it and saved as `network.<phase>.ema.pt`; `ema_module(engine)` reads it."""
         import deepspeed
 
         p = self.params
@@ -303,9 +322,9 @@ class TrainContext:
             config["scheduler"] = scheduler
         averaged = None
         if ema is not None:  # copied before DeepSpeed hooks into the model
-            from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+            from torch.optim.swa_utils import AveragedModel
 
-            averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(ema))
+            averaged = AveragedModel(model, multi_avg_fn=ema_with_warmup(ema))
         optimizer = ArmsAdamW(groups, lr=lr, weight_decay=weight_decay,
                               partitioned=p.zero_stage >= 1 and self.world_size > 1)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
