@@ -35,6 +35,7 @@ from models.registry import RunRequest  # noqa: E402
 from tasks import keys, ledger, quiet, settings, tracking, train  # noqa: E402
 from tasks.context import send_pending  # noqa: E402
 from tasks.steps import conclude, evaluate_task, prepare_task, recorded_metrics, train_task  # noqa: E402
+from tasks.threadcpu import WorkCPU  # noqa: E402
 from tasks.train import TrainJob  # noqa: E402
 from tasks.worker import ranks_cpu_seconds  # noqa: E402
 
@@ -394,13 +395,13 @@ def _replicate(spec, request: RunRequest, entry: ledger.ReplicateEntry, prepared
 
     def evaluate() -> ReplicateDone:
         with _failing(child_id):
-            t_eval, cpu_eval = time.perf_counter(), time.process_time()
+            t_eval = time.perf_counter()
             _say(f"[{label}] evaluate: method and baselines")
-            metrics = evaluate_task.with_options(task_run_name=f"evaluate {label}")(
-                spec, rep.params, prepared.stage.out_dir, out_dir, child_id)
+            with WorkCPU() as cpu_eval:  # not the CPU of the flow's other threads (another paper's, progress)
+                metrics = evaluate_task.with_options(task_run_name=f"evaluate {label}")(
+                    spec, rep.params, prepared.stage.out_dir, out_dir, child_id)
             evaluated_s = time.perf_counter() - t_eval
-            # this process's CPU while it evaluated (evaluations run one at a time; training is in other processes)
-            cpu = {"evaluate": time.process_time() - cpu_eval, "train": ranks_cpu_seconds(out_dir)}
+            cpu = {"evaluate": cpu_eval.seconds, "train": ranks_cpu_seconds(out_dir)}
             if cpu["train"] is not None:
                 cpu["replicate"] = cpu["train"] + cpu["evaluate"]
             for name, seconds in (("train", trained_s), ("evaluate", evaluated_s)):
