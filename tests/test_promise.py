@@ -101,6 +101,7 @@ def test_scheme_metrics_per_condition_threshold_and_shape_rmsd():
     assert m["coverage"] == 0.5  # only the second target's threshold admits 1.5 A
     assert m["flip_rate"] == 1.0 and m["dominance_bias"] == 0.0
     assert np.isclose(m["shape_rmsd"], np.mean([1.5] * 4 + [1.0, 1.0, 1.0, 3.0]))
+    assert m["shape_rmsd_plain"] == 1.0  # the induced condition without context (truth A) only
     assert pm.scheme_metrics(rmsd, mech, truth, target, hit=1.4)["coverage"] == 0.0  # a number still works
 
 
@@ -108,7 +109,8 @@ def test_claim_premises_make_a_floor_run_inconclusive():
     base = {"baseline/det/coverage": 0.0, "baseline/gen/coverage": 0.0, "method/coverage": 0.0,
             "detail/best_decoder_coverage": 0.0, "baseline/det/flip_rate": 0.0, "baseline/det/probe_gap": 0.3,
             "baseline/det/shape_rmsd": 3.0, "baseline/gen/shape_rmsd": 3.0, "method/shape_rmsd": 3.0,
-            "baseline/nearest/shape_rmsd": 4.0}
+            "baseline/nearest/shape_rmsd": 4.0, "baseline/det/shape_rmsd_plain": 3.0,
+            "baseline/nearest/shape_rmsd_plain": 4.0}
     result = pm.PAPER.claim.decide([base, base, base])
     assert result.verdict == "inconclusive" and "coverage_off_floor" in result.reason
     worked = [base | {"baseline/gen/coverage": g, "method/coverage": c, "detail/best_decoder_coverage": c}
@@ -117,6 +119,13 @@ def test_claim_premises_make_a_floor_run_inconclusive():
     assert [p.role for p in pm.PAPER.claim.decide(worked).parts].count("context") == 2  # findings 2, 3: shown only
     flipping = [w | {"baseline/det/flip_rate": f} for w, f in zip(worked, (0.9, 0.8, 1.0), strict=True)]
     assert pm.PAPER.claim.decide(flipping).verdict == "holds"  # context: a failing flip rate cannot sink the claim
+    # (a)'s premise reads the one-state conditions: a blend on the mixed ones (finding 1) does not fail it, an
+    # inaccurate structure where there is nothing to blend does
+    blended = [w | {"baseline/det/shape_rmsd": 5.0} for w in worked]
+    assert pm.PAPER.claim.decide(blended).verdict == "holds"
+    inaccurate = [w | {"baseline/det/shape_rmsd_plain": 5.0} for w in worked]
+    result = pm.PAPER.claim.decide(inaccurate)
+    assert result.verdict == "inconclusive" and "det_beats_nearest" in result.reason
 
 
 def test_linear_cka_invariances():
