@@ -33,7 +33,9 @@ Deviations from the paper (choices the abstract left open):
 - The probes are logistic regressions fitted on the training targets' induced conditions (labelled by the world
   rule, not by the biased training rows) and scored on the test targets' conditions.
 - gemmi is not installed here, so the mmCIF loader reads the `_atom_site` loop itself (Calpha of the first model).
-- (a) and (b) train in one engine in lock-step (summed losses, same batches); (c) in a second engine.
+- (a) and (b) train in one engine in lock-step (summed losses, same batches); (c) in a second engine. Both engines
+  take the same learning-rate schedule (`steps`, `warmup`, `decay`: the engine's linear warm-up and decay), so
+  every decoder trains with the same recipe.
 - The hinge bends about the hinge residue's radial axis; with the 80-140 degree range the states lie 4-6 A apart at
   16 residues and 6-9 A at 24 (the spec's 4-8 A band, stretched by the longer chains).
 - The phenomenon's knobs: kappa = 0.5 with rho_ctx = 1 removes the exposure bias (both states equally shown, the
@@ -82,7 +84,7 @@ from torch import nn  # noqa: E402
 from models.common.diffusion import ddim_sample, ddpm_scheduler, q_sample  # noqa: E402
 from models.common.similarity import linear_cka  # noqa: E402
 from models.common.tables import read_table, write_table  # noqa: E402
-from models.contract import Claim, Compare, Paper, PaperParams  # noqa: E402
+from models.contract import Claim, Compare, Paper, ScheduledParams  # noqa: E402
 from models.inputs import input_path
 
 LETTERS = "ACDEFGHIKLMNPQRSTVWY"
@@ -94,7 +96,7 @@ LIG, PARTNER, CTX_LEN = 21, 22, 7  # context tokens: ligand, partner-chain marke
 SYSTEMS = ("det", "gen", "debiased", "nearest")
 
 
-class Params(PaperParams):
+class Params(ScheduledParams):  # warmup, decay: one learning-rate schedule for every decoder (fair arms)
     source: Literal["synthetic", "mmcif"] = Field("synthetic", description="Synthetic world, or curated mmCIF.")
     mmcif_dir: str = Field("", description="mmcif: folder with index.csv (target_id, mechanism, state, file, "
                                            "chain, split) and the assembly files it names.")
@@ -518,7 +520,8 @@ def train(ctx) -> None:
     ctx.progress(f"phase systems: (a) det + (b) gen in lock-step, {len(rows)} rows, {p.steps} steps")
     arms = {"det": [*systems.det_trunk.parameters(), *systems.det.parameters()],  # (a) and (b), each alone
             "gen": [*systems.gen_trunk.parameters(), *systems.gen.parameters()]}
-    ctx.fit("systems", ctx.engine(systems, p.lr, arms=arms), step_fn, batch_fn, p.steps)
+    sched = {"steps": p.steps, "warmup": p.warmup, "decay": p.decay}  # the same for (a), (b) and (c)
+    ctx.fit("systems", ctx.engine(systems, p.lr, arms=arms, **sched), step_fn, batch_fn, p.steps)
 
     systems.eval()
     torch.manual_seed(p.seed + 1)  # the same initialisation for (c) whatever (a)+(b) consumed
@@ -531,7 +534,7 @@ def train(ctx) -> None:
         return {"seq": inputs["seq"][c], "s": s_cache[c], "z": z_cache[c], "x0": x0[idx], "w": weight[idx]}
 
     ctx.progress(f"phase debiased: decoder on {len(conds)} cached trunk conditions, state-balanced weights")
-    ctx.fit("debiased", ctx.engine(debiased, p.lr), lambda e, b, s: (e(b), {}), batch_fn_c, p.steps)
+    ctx.fit("debiased", ctx.engine(debiased, p.lr, **sched), lambda e, b, s: (e(b), {}), batch_fn_c, p.steps)
 
 
 # ---- the evaluation scheme ---------------------------------------------------------------------------------------

@@ -210,6 +210,31 @@ def test_an_untrained_deterministic_decoder_already_passes_finding_2(tmp_path):
     assert m["state_acc"] < 0.8  # and the decoder is not a good state reader by chance
 
 
+def test_every_decoder_trains_under_one_learning_rate_schedule(tmp_path):
+    """Fair arms: (a)+(b)'s engine and (c)'s get the same lr, steps, warm-up and decay (ctx.engine's schedule)."""
+    p = pm.Params(n_targets=30, n_test=2, length=(12, 12), examples=2, d_s=8, d_z=8, hidden=8, egnn_layers=1,
+                  steps=40, warmup=4, decay="cosine")
+    pm.prepare(p, tmp_path)
+
+    class Ctx:
+        params, data_dir, engines = p, tmp_path, []
+
+        def engine(self, model, lr, **kw):
+            self.engines.append((lr, {k: kw.get(k) for k in ("steps", "warmup", "decay")}))
+            return model
+
+        def fit(self, name, engine, step_fn, batch_fn, num_steps, **kw):
+            assert num_steps == p.steps
+            step_fn(engine, batch_fn(0), 0)  # one forward on a real batch: the wiring runs; nothing is trained
+
+        def progress(self, message):
+            pass
+
+    ctx = Ctx()
+    pm.train(ctx)
+    assert ctx.engines == [(p.lr, {"steps": 40, "warmup": 4, "decay": "cosine"})] * 2
+
+
 def test_nearest_reference_prefers_identity_and_equal_length():
     seqs = {"x": "ACDEFGHIKL", "y": "ACDEFGHIKA", "z": "ACDEFGHIKLMN"}
     assert pm.nearest_reference(seqs, "ACDEFGHIKL") == "x"
