@@ -11,8 +11,9 @@ What it implements (function names in brackets):
   bidirectional (full attention over the noisy clip) or block-causal (tokens [clean 1..F, noisy 1..F]; noisy i
   sees clean < i and itself, so every frame trains in parallel under teacher forcing) [causal_mask];
 - stage 1: the bidirectional teacher T_bi (flow matching on whole clips, one t per clip) and the AR teacher T_ar
-  (AR diffusion, teacher forcing, one t per frame), with the prompt classifier used for scoring, in lock-step in one
-  DeepSpeed engine [Teachers];
+  (AR diffusion, teacher forcing, one t per frame), with the prompt classifier used for scoring, in lock-step in
+  their own DeepSpeed engine, each an arm with the same warm-up + decay schedule and the engine's EMA (with its
+  warm-up); everything after stage 1 reads the teachers' EMA weights [Teachers, train];
 - ODE pair curation with Euler PF-ODE: T_bi maps joint noise eps^{1:F} to a clip; T_ar generates frame by frame
   from eps^i and its own previous frames; the states at t in {1, .75, .5, .25} are read off the Euler path (exact:
   an Euler step is linear in t) [curate_pairs];
@@ -24,8 +25,8 @@ What it implements (function names in brackets):
 - DMD, identical for both arms: generator gradient x0_fake - x0_real at re-noised student clips (= s_real - s_fake
   up to scale), normalised as in DMD; real score = T_bi (asymmetric DMD), fake score (bidirectional, initialised
   from T_bi) trained online by flow matching on student clips, `fake_updates` fake steps per generator step
-  [dmd_loss, train]. Every network lives in one module and one DeepSpeed engine; each stage trains its part and
-  freezes the rest [Pipeline, freeze_all_but];
+  [dmd_loss, train]. Every network lives in one module; the ODE and DMD stages share a second DeepSpeed engine
+  (constant rates), each stage training its part and freezing the rest [Pipeline, freeze_all_but];
 - metrics: dynamic degree (centroid motion > 0.5 px/frame) and its distance to the real clips' (the claim reads the
   distance: jittering frames raise the degree too), frame fidelity (best single-blob template correlation),
   instruction following (classifier accuracy), sliced W2 to held-out real clips, and the injectivity diagnostic:
@@ -38,8 +39,12 @@ Deviations from the paper (choices the abstract and spec left open):
 - The student sampler updates deterministically (x_t' from x0_hat and the implied noise), so the student is a map
   from per-frame noise, as the ODE pairs are; Self Forcing re-noises with fresh noise.
 - DMD's real score is T_bi without classifier-free guidance (the prompt is a class code; guidance 1).
-- One AdamW learning rate for generator and fake score (the engine has one parameter group; each stage sets it).
-  The three stages and the 5:1 alternation run in one engine: frozen parameters (requires_grad off) get no
+- Stage 1 has its own engine: its learning-rate schedule (DeepSpeed's scheduler rewrites every param group's rate at
+  each step) would otherwise override the later stages' own rates. Its EMA (`teacher_ema`) is what the pairs, the
+  students' start, DMD's scores and evaluation read, as the authors sample with EMA weights. The spec gives no
+  rate, schedule or EMA for the teachers; both teachers get the same ones.
+- One AdamW learning rate for generator and fake score (each stage sets it on its engine's arms). The ODE and DMD
+  stages and the 5:1 alternation run in one engine: frozen parameters (requires_grad off) get no
   gradient, so DeepSpeed neither reduces them nor does AdamW step them. This needs a fp32 engine without ZeRO
   partitioning (the full profile says so); a runtime gap: ctx.fit has no per-phase parameter masks.
 - The fake score's updates within one cycle train on the same student clips (the generator is frozen over the
@@ -64,7 +69,7 @@ from pydantic import Field
 from torch import nn
 
 from models.common.tables import read_table, write_table
-from models.contract import Claim, Compare, Paper, PaperParams
+from models.contract import Claim, Compare, Decay, Paper, PaperParams
 
 PROMPTS = ("static", "horizontal", "vertical", "diagonal")
 DIRECTIONS = np.array([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [math.sqrt(0.5), math.sqrt(0.5)]])  # (dx, dy)
@@ -85,7 +90,11 @@ class Params(PaperParams):
     heads: int = Field(4, ge=1, description="Attention heads.")
     batch_size: int = Field(64, ge=2, description="Global batch of every training phase.")
     teacher_steps: int = Field(200, ge=1, description="Steps of stage 1 (both teachers + classifier, lock-step).")
-    lr: float = Field(3e-3, gt=0, description="AdamW learning rate of stage 1.")
+    lr: float = Field(3e-3, gt=0, description="AdamW peak learning rate of stage 1.")
+    teacher_warmup: int = Field(0, ge=0, description="Linear warm-up steps of stage 1's rate (both teachers alike).")
+    teacher_decay: Decay = Field("constant", description="Stage 1's rate decay after warm-up, to its last step.")
+    teacher_ema: float | None = Field(None, ge=0, le=1, description="EMA decay of stage 1 (the engine's, with its "
+                                      "warm-up); both teachers and the classifier continue from their EMA. None: none.")
     n_pairs: int = Field(512, ge=2, description="ODE pairs per teacher for the students.")
     n_pairs_heldout: int = Field(128, ge=2, description="Held-out ODE pairs per teacher (injectivity diagnostic).")
     euler_steps: int = Field(8, ge=1, description="Euler steps of the PF-ODE when curating pairs.")
@@ -370,6 +379,16 @@ def start_stage(engine, lr: float, model: nn.Module, *trained: nn.Module) -> Non
         group["lr"] = lr
 
 
+@torch.no_grad()
+def continue_from_ema(engine, module: nn.Module) -> None:
+    """Copy the EMA the engine kept of `module` (ctx.engine(ema=...)) into `module`; nothing without one. A run
+    resumed after the stage reloads its checkpoint with the EMA state, so it copies the same weights. Runtime gap:
+    the EMA is read from `engine.paperline` (models do not import tasks.context.ema_module)."""
+    extras = getattr(engine, "paperline", None)
+    if extras is not None and extras.ema is not None:
+        module.load_state_dict(extras.ema.module.state_dict())
+
+
 # ---- training ------------------------------------------------------------------------------------------------
 def pair_noise(p: Params, n: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(p.seed * 7919 + offset)
@@ -384,9 +403,10 @@ def train(ctx) -> None:
     b, frames = p.batch_size, p.n_frames
     model = Pipeline(p)
     teachers = model.teachers
-    arms = {"T_bi": teachers.bi, "T_ar": teachers.ar, "classifier": teachers.cls,
-            **{f"{part}_{k}": net for part in ("students", "gens", "fakes") for k, net in getattr(model, part).items()}}
-    engine = ctx.engine(model, p.lr, arms=arms)
+    # stage 1's own engine: its schedule is DeepSpeed's, which rewrites every group's rate at each step, so on a
+    # shared engine it would override the later stages' rates; both teachers are arms under the same schedule
+    stage1 = ctx.engine(teachers, p.lr, arms={"T_bi": teachers.bi, "T_ar": teachers.ar, "classifier": teachers.cls},
+                        steps=p.teacher_steps, warmup=p.teacher_warmup, decay=p.teacher_decay, ema=p.teacher_ema)
 
     def teacher_batch(step: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(p.seed * 100_003 + step)
@@ -399,8 +419,11 @@ def train(ctx) -> None:
         return sum(losses.values()), {k: float(v.detach()) for k, v in losses.items()}
 
     ctx.progress(f"stage 1: T_bi, T_ar and the prompt classifier in lock-step, {p.teacher_steps} steps")
-    start_stage(engine, p.lr, model, teachers)
-    ctx.fit("teachers", engine, teacher_step, teacher_batch, p.teacher_steps)
+    ctx.fit("teachers", stage1, teacher_step, teacher_batch, p.teacher_steps)
+    continue_from_ema(stage1, teachers)
+    teachers.requires_grad_(False)  # frozen from here on: the later stages' engine has no teacher arm
+    engine = ctx.engine(model, p.student_lr, arms={f"{part}_{k}": net for part in ("students", "gens", "fakes")
+                                                   for k, net in getattr(model, part).items()})
 
     eps, prompt = pair_noise(p, p.n_pairs, 0)
     pairs = {"bi": curate_pairs(teachers.bi, eps, prompt, p.euler_steps),

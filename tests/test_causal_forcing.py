@@ -204,3 +204,45 @@ def test_load_ode_pairs_reads_the_self_forcing_format(tmp_path):
     (tmp_path / "00001.pt").unlink()
     with pytest.raises(FileNotFoundError, match="00001.pt"):
         cf.load_ode_pairs(tmp_path)
+
+
+def test_stage_one_has_its_own_schedule_and_the_later_stages_start_from_its_ema(tmp_path):
+    """Both teachers train under one warm-up + cosine schedule on their own engine; the ODE and DMD stages keep
+    their own constant rates (a DeepSpeed schedule on a shared engine would rewrite them), and everything after
+    stage 1 holds the teachers' EMA weights, not the live ones."""
+    from tasks.context import TrainContext
+    from tasks.worker import _init_distributed
+
+    _init_distributed()
+    p = cf.Params(n_clips=32, n_frames=4, width=16, layers=1, heads=2, batch_size=4, teacher_steps=6,
+                  teacher_warmup=2, teacher_decay="cosine", teacher_ema=0.5, n_pairs=4, n_pairs_heldout=4,
+                  euler_steps=2, student_steps=2, dmd_steps=1, fake_updates=1, n_eval=4, checkpoint_every=100)
+    cf.prepare(p, tmp_path)
+    lrs: dict[str, list[list[float]]] = {}
+
+    class Recording(TrainContext):  # each step's learning rate of every arm, as the step trains with it
+        def fit(self, name, engine, step_fn, batch_fn, num_steps, **kw):
+            def recorded(engine, batch, step):
+                lrs.setdefault(name, []).append([g["lr"] for g in engine.optimizer.param_groups])
+                return step_fn(engine, batch, step)
+
+            super().fit(name, engine, recorded, batch_fn, num_steps, **kw)
+
+    cf.train(Recording(params=p, data_dir=tmp_path, out_dir=tmp_path))
+
+    teacher = [set(step) for step in lrs["teachers"]]  # T_bi, T_ar, classifier
+    assert all(len(step) == 1 for step in teacher)  # one schedule for every teacher
+    rate = [step.pop() for step in teacher]
+    top = rate.index(max(rate))  # warms up from 0, then decays: rises to a peak inside the stage, falls after
+    assert len(rate) == p.teacher_steps and rate[0] == 0.0 and 0 < top < len(rate) - 1 and max(rate) <= p.lr
+    assert rate[: top + 1] == sorted(rate[: top + 1]) and rate[top:] == sorted(rate[top:], reverse=True)
+    assert {r for step in lrs["ode_init"] for r in step} == {p.student_lr}
+    assert {r for step in lrs["dmd"] for r in step} == {p.dmd_lr}
+
+    def load(phase: str, ema: bool = False) -> dict[str, torch.Tensor]:
+        return torch.load(tmp_path / f"network.{phase}{'.ema' if ema else ''}.pt", weights_only=False)["module"]
+
+    ema, live, after = load("teachers", ema=True), load("teachers"), load("dmd").teachers
+    for key, value in after.state_dict().items():
+        assert torch.equal(value, ema.state_dict()[key]), key
+    assert any(not torch.equal(v, live.state_dict()[k]) for k, v in after.state_dict().items())
