@@ -71,6 +71,9 @@ def configure_environment() -> None:
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "GIT_PYTHON_REFRESH": "quiet",
+        # what scikit-learn and threadpoolctl set at their import anyway: set first, the environment a prestarted
+        # rank was launched with still matches when its job comes, instead of the rank being replaced
+        "KMP_DUPLICATE_LIB_OK": "True",
     }
     if not verbose():  # third-party progress bars and advisories stay off the console (`paperline --verbose`)
         defaults |= QUIET_DEFAULTS
@@ -87,13 +90,34 @@ def configure_environment() -> None:
 
 # a DeepSpeed CPU-op build takes minutes (~11 on a 2-core machine at load 20): a lock this old outlived its build
 STALE_BUILD_LOCK_S = 3600
+# a build runs its compiler (ninja, c++) in the op's folder; a lock this old with no process working there was left
+# by a build that was killed (a prestarted rank replaced mid-build, a Ctrl-C)
+ORPHAN_BUILD_LOCK_S = 60
 
 
-def clear_stale_build_locks(extensions_dir: Path, max_age_s: float = STALE_BUILD_LOCK_S) -> list[Path]:
-    """Remove torch's extension-build lock files older than `max_age_s`. torch waits on `<op>/lock` for as long as
-    it exists, and a build killed half-way never removes it: every later run then hangs before its first step."""
+def _processes_working_in(folder: Path) -> bool:
+    """Whether any process this user can see has its working directory in `folder` (Linux's /proc)."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cwd = Path(os.readlink(proc / "cwd"))
+        except OSError:  # another user's, or it ended meanwhile
+            continue
+        if cwd == folder or folder in cwd.parents:
+            return True
+    return False
+
+
+def clear_stale_build_locks(extensions_dir: Path, max_age_s: float = STALE_BUILD_LOCK_S,
+                            orphan_age_s: float = ORPHAN_BUILD_LOCK_S) -> list[Path]:
+    """Remove torch's extension-build lock files left by killed builds: older than `max_age_s`, or older than
+    `orphan_age_s` with no process working in the op's folder. torch waits on `<op>/lock` for as long as it exists,
+    and a build killed half-way never removes it: every later run then hangs before its first step."""
     now = time.time()
-    stale = [lock for lock in extensions_dir.glob("*/lock") if now - lock.stat().st_mtime > max_age_s]
+    stale = []
+    for lock in extensions_dir.glob("*/lock"):
+        age = now - lock.stat().st_mtime
+        if age > max_age_s or (age > orphan_age_s and not _processes_working_in(lock.parent.resolve())):
+            stale.append(lock)
     for lock in stale:
         lock.unlink(missing_ok=True)
     return stale

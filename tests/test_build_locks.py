@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from pathlib import Path
 
-from tasks.settings import STALE_BUILD_LOCK_S, clear_stale_build_locks
+from tasks.settings import ORPHAN_BUILD_LOCK_S, STALE_BUILD_LOCK_S, clear_stale_build_locks
 
 
 def test_only_locks_older_than_any_build_are_removed(tmp_path: Path) -> None:
@@ -22,3 +23,25 @@ def test_only_locks_older_than_any_build_are_removed(tmp_path: Path) -> None:
 
 def test_a_missing_extensions_folder_is_fine(tmp_path: Path) -> None:
     assert clear_stale_build_locks(tmp_path / "never-built") == []
+
+
+def test_an_orphaned_lock_goes_early_and_a_lock_with_its_compiler_running_stays(tmp_path: Path) -> None:
+    """Both locks are past the orphan age: one op's folder has a process working in it (the compiler, here a
+    sleep), the other none (its build was killed)."""
+    orphan, compiling = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "cpu_adam" / "lock"
+    for lock in (orphan, compiling):
+        lock.parent.mkdir()
+        lock.touch()
+        past = time.time() - ORPHAN_BUILD_LOCK_S - 60
+        os.utime(lock, (past, past))
+    compiler = subprocess.Popen(["sleep", "30"], cwd=compiling.parent)
+    try:
+        assert clear_stale_build_locks(tmp_path) == [orphan]
+    finally:
+        compiler.kill()
+        compiler.wait()
+    assert not orphan.exists() and compiling.exists()
+    fresh = tmp_path / "fused_adam" / "lock"  # a build that has just begun: its compiler may not run yet
+    fresh.parent.mkdir()
+    fresh.touch()
+    assert clear_stale_build_locks(tmp_path) == [compiling] and fresh.exists()  # (its compiler has ended now)
