@@ -89,6 +89,9 @@ class Params(ScheduledParams):
     steps: int = Field(300, ge=1, description="Training steps (I2V model and autoencoder in lock-step).")
     batch_size: int = Field(16, ge=2, description="Videos per step.")
     lr: float = Field(2e-3, gt=0, description="AdamW learning rate (peak, with `warmup` / `decay`).")
+    t_power: float = Field(1.0, gt=0, le=1, description="Training timesteps t = floor(1000 u^t_power), u uniform: 1 "
+                           "is uniform; below 1 the high-noise steps, where the ball's place and motion come from the "
+                           "conditioning image only, are drawn more often (`train_timesteps`).")
     ema: float | None = Field(None, ge=0, le=1, description="EMA decay of the I2V weights; evaluation samples "
                               "with the EMA copy (None: the last weights).")
     prior_steps: int = Field(2, ge=1, description="DDIM steps of the motion prior (and of the 2-step arm).")
@@ -269,6 +272,16 @@ class Both(nn.Module):
 
 
 # ---- training ------------------------------------------------------------------------------------------------
+def train_timesteps(n: int, power: float, g: torch.Generator) -> torch.Tensor:
+    """(n,) DDPM timesteps of a training batch: uniform for power 1 (torch.randint, the same draws as before the
+    knob); otherwise floor(TRAIN_STEPS u^power), u ~ U(0, 1), which for power < 1 draws the high-noise steps more
+    often (density ~ t^(1 / power - 1)), where the network must place the ball from the conditioning image alone."""
+    if power == 1.0:
+        return torch.randint(0, TRAIN_STEPS, (n,), generator=g)
+    u = torch.rand(n, generator=g)
+    return (TRAIN_STEPS * u**power).long().clamp(max=TRAIN_STEPS - 1)
+
+
 def train(ctx) -> None:
     p: Params = ctx.params
     d = load_videos(ctx.data_dir, p)
@@ -280,7 +293,7 @@ def train(ctx) -> None:
     def batch_fn(step: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(p.seed * 100_003 + step)
         v = train_ids[torch.randint(len(train_ids), (p.batch_size,), generator=g)]
-        return {"x0": d["x"][v], "t": torch.randint(0, TRAIN_STEPS, (p.batch_size,), generator=g),
+        return {"x0": d["x"][v], "t": train_timesteps(p.batch_size, p.t_power, g),
                 "eps": torch.randn(d["x"][v].shape, generator=g)}
 
     def step_fn(engine, b, step):

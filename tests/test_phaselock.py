@@ -175,6 +175,18 @@ def test_load_physics_iq_decodes_mp4(tmp_path):
     assert torch.allclose(videos[0, :, 0].mean((1, 2)), expected, atol=0.05)
 
 
+def test_training_timesteps_uniform_at_power_1_and_skewed_to_high_noise_below():
+    g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    uniform = pl.train_timesteps(20_000, 1.0, g())
+    assert torch.equal(uniform, torch.randint(0, pl.TRAIN_STEPS, (20_000,), generator=g()))  # the old draws
+    skewed = pl.train_timesteps(20_000, 0.5, g())
+    assert skewed.min() >= 0 and skewed.max() <= pl.TRAIN_STEPS - 1
+    # density ~ t: P(t >= 800) = 1 - 0.8^2 = 0.36 against 0.2 when uniform; mean 2/3 of the range against 1/2
+    assert abs(float((uniform >= 800).float().mean()) - 0.2) < 0.015
+    assert abs(float((skewed >= 800).float().mean()) - 0.36) < 0.015
+    assert abs(float(skewed.float().mean()) / pl.TRAIN_STEPS - 2 / 3) < 0.01
+
+
 def test_first_step_x0_estimate_stays_conditioned_under_v_prediction():
     # trailing spacing starts at t = 999 where alpha_bar ~ 2e-9: a v-model's error of 0.01 stays 0.01 in x0_hat,
     # where the same error in an epsilon-model's output is multiplied by ~2e4 (a saturated, empty first estimate)
