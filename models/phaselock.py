@@ -217,7 +217,7 @@ class STBlock(nn.Module):
 
 
 class SpaceTimeUNet(nn.Module):
-    """eps_hat(x_t, t, cond): the noisy video (B, T, 1, S, S) with the conditioning frame broadcast over time."""
+    """v_hat(x_t, t, cond): the noisy video (B, T, 1, S, S) with the conditioning frame broadcast over time."""
 
     def __init__(self, frames: int, channels: tuple[int, int], emb: int = 64):
         super().__init__()
