@@ -379,16 +379,6 @@ def start_stage(engine, lr: float, model: nn.Module, *trained: nn.Module) -> Non
         group["lr"] = lr
 
 
-@torch.no_grad()
-def continue_from_ema(engine, module: nn.Module) -> None:
-    """Copy the EMA the engine kept of `module` (ctx.engine(ema=...)) into `module`; nothing without one. A run
-    resumed after the stage reloads its checkpoint with the EMA state, so it copies the same weights. Runtime gap:
-    the EMA is read from `engine.paperline` (models do not import tasks.context.ema_module)."""
-    extras = getattr(engine, "paperline", None)
-    if extras is not None and extras.ema is not None:
-        module.load_state_dict(extras.ema.module.state_dict())
-
-
 # ---- training ------------------------------------------------------------------------------------------------
 def pair_noise(p: Params, n: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(p.seed * 7919 + offset)
@@ -420,7 +410,9 @@ def train(ctx) -> None:
 
     ctx.progress(f"stage 1: T_bi, T_ar and the prompt classifier in lock-step, {p.teacher_steps} steps")
     ctx.fit("teachers", stage1, teacher_step, teacher_batch, p.teacher_steps)
-    continue_from_ema(stage1, teachers)
+    averaged = ctx.ema_network(stage1)
+    if averaged is not None:  # the later stages continue from the teachers' EMA (a resumed run reloads the same)
+        teachers.load_state_dict(averaged.state_dict())
     teachers.requires_grad_(False)  # frozen from here on: the later stages' engine has no teacher arm
     engine = ctx.engine(model, p.student_lr, arms={f"{part}_{k}": net for part in ("students", "gens", "fakes")
                                                    for k, net in getattr(model, part).items()})

@@ -243,7 +243,7 @@ FIT_METRICS = "fit_metrics.json"  # per phase, what the loop measured (plateau):
 def seed_step(seed: int, device: torch.device) -> None:
     """Seed the generators a training step on `device` draws from: what `torch.manual_seed` does for them, without
     its calls into every other backend (CUDA, XPU, MTIA), each of which formats a stack trace to queue a lazy
-    seeding (~0.6 ms a call on a CPU-only build, more than a small step's arithmetic)."""
+    seeding: on a CPU-only build that was most of what seeding a step cost."""
     torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
         torch.cuda.manual_seed(seed)
@@ -343,7 +343,7 @@ class TrainContext:
             engine.lr_scheduler.step()  # step k trains at the schedule's rate k (DeepSpeed starts it at -1)
         if self.world_size == 1 and p.zero_stage == 0:
             # averaging gradients over one rank is the identity, yet DeepSpeed would flatten them, all-reduce over
-            # its one-process group and copy them back after every backward (~0.4 ms a step of a small MLP)
+            # its one-process group and copy them back after every backward
             engine.enable_backward_allreduce = False
         engine.paperline = EngineExtras(ema=averaged)
         return engine
@@ -435,6 +435,11 @@ class TrainContext:
             averaged = ema_module(engine)
             if averaged is not None:
                 self.save_network(name, averaged, ema=True)
+
+    def ema_network(self, engine: Any) -> torch.nn.Module | None:
+        """The EMA copy of `engine`'s model as training has averaged it so far (`engine(ema=...)`), e.g. for a later
+        stage to continue from; None when the engine keeps none."""
+        return ema_module(engine)
 
     # ---- what evaluate reads ---------------------------------------------------------------------------------
     def save_network(self, name: str, module: torch.nn.Module, ema: bool = False) -> None:

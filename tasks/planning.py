@@ -332,6 +332,10 @@ class PlanContext:
         engine.ema = ema is not None
         return engine
 
+    def ema_network(self, engine: _Engine) -> None:
+        """No EMA is kept while tracing (its memory is counted from `engine(ema=...)`)."""
+        return None
+
     def fit(self, name: str, engine: _Engine, step_fn: Callable, batch_fn: Callable[[int], Mapping[str, Any]],
             num_steps: int, state: dict | None = None, log_every: int = 10) -> None:
         from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
