@@ -1,14 +1,14 @@
 """The CPU seconds one piece of work in a shared process costs: a replicate's evaluation runs in the flow's process,
-beside the threads of another paper's flow (`--parallel`), the launcher's progress rendering and MLflow's clients.
-`time.process_time()` over the evaluation charged all of them to it: async_rag's smoke evaluation read 72-105 CPU-s
-in a `--parallel 2` suite and 52 CPU-s alone on the same profile.
+beside the threads of another paper's flow (`--parallel`), the launcher's progress rendering and MLflow's clients,
+and `time.process_time()` over the evaluation charged all of them to it.
 
 `WorkCPU` counts the process's CPU over a block minus what its other threads that were alive at both ends spent
-meanwhile: so the calling thread and every thread the work started (a thread pool it shut down included: a thread
-that ended took its CPU into the process's total) are charged, and threads that ran before and after it are not.
-A thread alive before the block that the work itself used (a pool made earlier) is not charged to it; evaluations
-run torch and BLAS on one thread, so none is. Linux's /proc, at the scheduler's tick (10 ms); elsewhere it falls
-back to the process's CPU."""
+meanwhile: so the calling thread and every thread started during the block (a thread pool it shut down included: a
+thread that ended took its CPU into the process's total) are charged, and threads that ran before and after it are
+not. Two approximations: a thread alive before the block that the work itself used (a pool made earlier) is not
+charged (evaluations run torch and BLAS on one thread, so none is); a thread that *other* work starts during the
+block is (the next paper's flow starting beside an evaluation). Linux's /proc, at the scheduler's tick (10 ms);
+elsewhere it falls back to the process's CPU."""
 
 from __future__ import annotations
 
