@@ -173,8 +173,9 @@ def _git(*args: str, env: dict[str, str] | None = None) -> str:
     return out.stdout.strip()
 
 
-# paperline's own outputs inside the tree (data locks, generated stages, reports it rewrites): never "dirty"
-GENERATED = ("dvc.lock", "variants", "reports")
+# paperline's own outputs inside the tree (data locks, generated stages, reports it rewrites, what the benchmarks
+# measured): never "dirty" (benchmarks/suite_run.py writes its results while the code it times is checked out)
+GENERATED = ("dvc.lock", "variants", "reports", "benchmarks/results")
 
 
 def git_commit() -> str:

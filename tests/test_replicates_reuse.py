@@ -202,3 +202,29 @@ def test_several_papers_take_a_replicates_override_and_nothing_else():
     requests = [registry.request(pid, "test", {"seed": 1}, settings.params_file()) for pid in ("sei", "qubo_relax")]
     with pytest.raises(registry.ConfigError, match="one paper at a time"):
         run_papers(requests, force=False)
+
+
+def test_outputs_written_in_the_tree_leave_the_code_clean_and_code_changes_do_not(tmp_path, monkeypatch):
+    """A run's commit is HEAD's while only paperline's outputs changed (a benchmark's results, the scoreboard),
+    and HEAD-dirty once code changed."""
+    import subprocess
+
+    from tasks import tracking
+
+    def git(*args: str, env=None) -> str:
+        return subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True, text=True,
+                              env=env).stdout.strip()
+
+    git("init", "-q")
+    for folder, name in (("models", "paper.py"), ("benchmarks/results", "suite_run.json"), ("reports", "s.md")):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / name).write_text("0\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    monkeypatch.setattr(tracking, "_git", git)
+    head = git("rev-parse", "HEAD")
+    (tmp_path / "benchmarks/results/suite_run.json").write_text("1\n")
+    (tmp_path / "reports/s.md").write_text("1\n")
+    assert tracking.git_commit() == head
+    (tmp_path / "models/paper.py").write_text("1\n")
+    assert tracking.git_commit() == head + "-dirty"
