@@ -1,14 +1,15 @@
 """The CPU seconds one piece of work in a shared process costs: a replicate's evaluation runs in the flow's process,
 beside the threads of another paper's flow (`--parallel`), the launcher's progress rendering and MLflow's clients,
-and `time.process_time()` over the evaluation charged all of them to it.
+and `time.process_time()` over the evaluation would charge all of them to it.
 
-`WorkCPU` counts the process's CPU over a block minus what its other threads that were alive at both ends spent
-meanwhile: so the calling thread and every thread started during the block (a thread pool it shut down included: a
-thread that ended took its CPU into the process's total) are charged, and threads that ran before and after it are
-not. Two approximations: a thread alive before the block that the work itself used (a pool made earlier) is not
-charged (evaluations run torch and BLAS on one thread, so none is); a thread that *other* work starts during the
-block is (the next paper's flow starting beside an evaluation). Linux's /proc, at the scheduler's tick (10 ms);
-elsewhere it falls back to the process's CPU."""
+`WorkCPU` charges the thread that runs the block and every Python thread started from a charged thread while the
+block runs (a thread pool the work makes, and the threads those threads start), whether it ends inside the block or
+not: `threading.Thread.start` is wrapped, once, so that a thread started from a charged thread runs charged too and
+adds its `time.thread_time()` when it ends; one still alive at the block's end is read from Linux's /proc (at the
+scheduler's tick, 10 ms). A thread that other work starts meanwhile (the next paper's flow beside an evaluation) is
+not charged, whatever it spends. Not charged either: a thread alive before the block that the work uses (a pool
+made earlier; evaluations run torch and BLAS on one thread, so none is) and native threads no Python code started
+(a torch OpenMP pool a block widens with `torch_threads`). Without /proc, a still-alive thread counts nothing."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ import time
 from pathlib import Path
 
 _TASKS = Path("/proc/self/task")
+
+_charged: dict[int, WorkCPU] = {}  # native thread id -> the work its CPU is charged to
+_lock = threading.Lock()
+_thread_start = threading.Thread.start
 
 
 def thread_cpu_seconds() -> dict[int, float] | None:
@@ -35,6 +40,17 @@ def thread_cpu_seconds() -> dict[int, float] | None:
     return seconds
 
 
+def _start_charged(thread: threading.Thread) -> None:
+    """`threading.Thread.start`, which makes a thread started from a charged thread charged to the same work."""
+    work = _charged.get(threading.get_native_id())
+    if work is not None:
+        thread.run = work._charging(thread.run)
+    _thread_start(thread)
+
+
+threading.Thread.start = _start_charged
+
+
 class WorkCPU:
     """`with WorkCPU() as cpu: work()`, then `cpu.seconds`: the CPU seconds charged to the work (module docstring)."""
 
@@ -42,15 +58,36 @@ class WorkCPU:
 
     def __enter__(self) -> WorkCPU:
         self._me = threading.get_native_id()
-        self._threads = thread_cpu_seconds()
-        self._process = time.process_time()
+        self._ended = 0.0  # what charged threads that have ended spent
+        self._alive: set[int] = set()  # charged threads running now, other than the caller
+        with _lock:
+            self._outer = _charged.get(self._me)  # a WorkCPU around this one: it is the caller's again after
+            _charged[self._me] = self
+        self._start = time.thread_time()
         return self
 
+    def _charging(self, run):
+        def run_charged():
+            me = threading.get_native_id()
+            with _lock:
+                _charged[me] = self
+                self._alive.add(me)
+            try:
+                run()
+            finally:
+                with _lock:
+                    self._ended += time.thread_time()
+                    self._alive.discard(me)
+                    del _charged[me]
+        return run_charged
+
     def __exit__(self, *exc) -> None:
-        process = time.process_time() - self._process
-        after = thread_cpu_seconds()
-        if self._threads is None or after is None:
-            self.seconds = process
-            return
-        others = sum(after[tid] - before for tid, before in self._threads.items() if tid != self._me and tid in after)
-        self.seconds = max(process - others, 0.0)
+        own = time.thread_time() - self._start
+        with _lock:
+            if self._outer is None:
+                del _charged[self._me]
+            else:
+                _charged[self._me] = self._outer
+            alive, ended = set(self._alive), self._ended
+        threads = thread_cpu_seconds() if alive else {}
+        self.seconds = own + ended + sum((threads or {}).get(tid, 0.0) for tid in alive)

@@ -53,3 +53,41 @@ def test_idle_work_costs_nothing_while_a_neighbour_burns():
         stop.set()
         other.join()
     assert cpu.seconds < 0.08
+
+
+def test_a_thread_other_work_starts_during_the_block_is_not_charged():
+    go = threading.Event()
+    neighbour = threading.Thread(target=_spin, args=(0.4,))  # the next paper's flow
+
+    def suite():  # the suite's thread, alive before the block: it starts the next paper while an evaluation runs
+        go.wait()
+        neighbour.start()
+        neighbour.join()
+
+    launcher = threading.Thread(target=suite)
+    launcher.start()
+    with WorkCPU() as cpu:
+        go.set()
+        launcher.join()  # the neighbour started and ended inside the block
+        _spin(0.1)
+    assert cpu.seconds == pytest.approx(0.1, abs=0.06)
+
+
+def test_threads_of_threads_and_threads_left_running_are_charged():
+    done = threading.Event()
+
+    def grandchild():
+        _spin(0.2)
+        done.wait()  # still alive when the block ends
+
+    def child():
+        threading.Thread(target=grandchild).start()
+        _spin(0.2)
+
+    with WorkCPU() as cpu:
+        worker = threading.Thread(target=child)
+        worker.start()
+        worker.join()
+        time.sleep(0.3)  # the grandchild spins meanwhile
+    done.set()
+    assert cpu.seconds == pytest.approx(0.4, abs=0.08)
