@@ -3,6 +3,10 @@
 It reads `params.yaml` in the stage's working directory, validates the section named by the dotted key with the
 paper's `Params`, and writes the paper's parquet tables into the output folder (emptied first, so a stage's output
 is exactly what `prepare` wrote).
+
+It runs torch on one thread: a data stage's tensors are small (MiniLM over short texts, generators), a second
+thread's hand-offs cost more CPU than they save, and in a `--parallel` suite the other core is training another
+paper.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ if __name__ == "__main__":
     from tasks.settings import configure_environment
 
     configure_environment()
+    import torch
+
+    torch.set_num_threads(1)
     try:
         run_prepare(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
     except registry.ConfigError as e:
