@@ -130,7 +130,9 @@ def reproduce(stage: DataStage, force: bool = False) -> PreparedData:
     # which also serialises every DVC call of this process and others).
     with dvc_lock(), chdir(settings.root()), project_on_pythonpath(), Repo(str(settings.root())) as repo:
         before = locked_hash(stage)
-        ran = bool(repo.reproduce(targets=[stage.target], force=force))
+        # single_item: the stage alone, without DVC parsing every dvc.yaml of the project (each variant's too) into
+        # its pipeline graph; a prepare stage depends on code and params, never on another stage's output
+        ran = bool(repo.reproduce(targets=[stage.target], force=force, single_item=True))
     data_hash = locked_hash(stage)
     if data_hash is None:
         raise RuntimeError(f"DVC ran {stage.target} but {stage.lock_file} records no output hash")

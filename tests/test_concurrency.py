@@ -102,3 +102,17 @@ def test_the_flow_process_runs_blas_on_one_thread():
     assert after and set(after) == {1}, after
     if os.cpu_count() > 1:
         assert max(before) > 1, "the probe should start where OpenBLAS runs a thread server"
+
+
+def test_a_stage_reproduces_without_dvc_reading_the_other_stages(workspace):
+    """Each `--set` variant adds a dvc.yaml; a prepare reads only its own stage, so its cost does not grow with them
+    (and a variant folder broken by hand does not stop another paper's data)."""
+    broken = workspace / "variants" / "sei" / "smoke-broken"
+    broken.mkdir(parents=True)
+    (broken / "dvc.yaml").write_text("stages: {prepare: {cmd: [unclosed\n")
+    raw = registry.ask("sei", "test", {}, settings.params_file()).raw
+    stage = data.stage_for(registry.get("sei"), "test", registry.resolve("sei", "test", {}, settings.params_file()),
+                           raw, is_default=False)
+    prepared = data.reproduce(stage)
+    assert prepared.ran and prepared.data_hash == data.locked_hash(stage)
+    assert data.reproduce(stage).ran is False  # up to date the second time
