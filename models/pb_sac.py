@@ -36,6 +36,13 @@ Deviations from the paper (choices the abstract left open):
   on Q's raw range (both agents' critics alike; a reparameterisation of the output layer, not a change of Q).
 - During training n_eff uses t_mix from the buffer's state features only (recomputed every `tmix_every` updates),
   since the loss sequence would need a critic pass over the whole buffer each time; the certificate uses both.
+- smoke (`train_n: chain`): the training complexity term's n_eff is chain_steps / (9 t_mix), the size of the chain
+  the posterior will be certified on, instead of the buffer's rows / (9 t_mix). A buffer of 3,000 Pendulum steps
+  has n_eff 1-2, at which the complexity term alone exceeds 1 and any move from the prior costs more than the whole
+  empirical loss: the posterior stays at its prior (KL ~0.1 nats), critic 1 is untrained and no part tests PB-SAC.
+  The full profile's 200k-step buffer has the n of smoke's 200k-step certificate chain.
+- smoke trains 5,000 environment steps per agent (the spec says 2,500): at 3,000 SAC's normalised return was
+  0.35-0.57 over three replicates, still short of the swing-up.
 - E_rho L_hat in the certificate is a Monte-Carlo average over `cert_samples` weight samples (no extra
   sample-convergence term). The validation estimate averages the loss over independent full episodes, whose
   state distribution is the stationary one of the reset chain.
@@ -52,6 +59,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -88,6 +96,9 @@ class Params(PaperParams):
                               "output), so its weights model Q / c, the certified loss's scale.")
     delta: float = Field(0.05, gt=0, lt=1, description="Confidence 1 - delta of every bound.")
     tmix_every: int = Field(100, ge=1, description="Updates between recomputations of the training n_eff.")
+    train_n: Literal["buffer", "chain"] = Field("buffer", description="n of the training complexity term's n_eff = "
+                                                "n / (9 t_mix): the replay buffer's rows (the spec), or `chain_steps`, "
+                                                "the length of the chain the posterior is certified on (smoke).")
     chain_steps: int = Field(2000, ge=10, description="Length n of the certificate chain per agent (whole episodes "
                              "of the reset chain, played side by side: at least this many transitions).")
     cert_samples: int = Field(32, ge=1, description="Weight samples for E_rho L_hat in the certificate.")
@@ -384,6 +395,13 @@ def network_arms(model: nn.ModuleDict) -> dict[str, nn.Module | list[nn.Paramete
     return arms
 
 
+def training_n_eff(p: Params, states: np.ndarray) -> float:
+    """n_eff of PB-SAC's training complexity term: n / (9 t_mix), t_mix from the buffer's state features (N, obs);
+    n is the buffer's length (the spec) or, with `train_n: chain`, the certificate chain's (docstring)."""
+    n = len(states) if p.train_n == "buffer" else p.chain_steps
+    return n / (9 * mixing_time(*states.T))
+
+
 def _actor_fn(actor: Actor, random_steps: int, high: float):
     def act(obs: np.ndarray, row: int, g: torch.Generator) -> np.ndarray:
         if row < random_steps:
@@ -416,8 +434,7 @@ def train(ctx) -> None:
             key = step // p.tmix_every  # n_eff from the PB-SAC buffer's state features, refreshed periodically
             if key not in n_eff_cache:
                 n = p.random_steps + key * p.tmix_every + 1
-                s = replays["pbsac"].rows["s"][:n]
-                n_eff_cache[key] = n / (9 * mixing_time(*s.T))
+                n_eff_cache[key] = training_n_eff(p, replays["pbsac"].rows["s"][:n])
             batch["pbsac/n_eff"] = torch.full((p.batch_size,), n_eff_cache[key])
             batch["pbsac/c"] = torch.full((p.batch_size,), c)
             return batch

@@ -10,6 +10,7 @@ import torch
 
 from models import pb_sac
 from models.common.rl import Replay
+from models.common.threads import torch_threads
 
 
 def test_integrated_autocorr_time_of_ar1_matches_closed_form():
@@ -192,3 +193,47 @@ def test_prior_loss_of_the_premise_equals_the_posteriors_at_init_and_ignores_its
     moved = pb_sac.certify(agent, chain, val, p, 50.0, posthoc=False)
     assert moved["kl"] > 100 and moved["emp_loss"] != at_init["emp_loss"]
     assert math.isclose(moved["prior_emp_loss"], at_init["prior_emp_loss"], rel_tol=1e-6)
+
+
+def test_training_n_eff_counts_the_buffer_or_the_certificate_chain():
+    """n_eff = n / (9 t_mix) with t_mix from the buffer's states; n is the buffer's rows (spec) or chain_steps."""
+    rng = np.random.default_rng(3)
+    states = np.zeros((3000, 3))
+    for t in range(1, 3000):
+        states[t] = 0.95 * states[t - 1] + rng.standard_normal(3)
+    t_mix = pb_sac.mixing_time(*states.T)
+    buffer = pb_sac.training_n_eff(pb_sac.Params(chain_steps=100_000), states)
+    chain = pb_sac.training_n_eff(pb_sac.Params(chain_steps=100_000, train_n="chain"), states)
+    assert math.isclose(buffer, 3000 / (9 * t_mix)) and math.isclose(chain, 100_000 / (9 * t_mix))
+    # a posterior 5 nats from its prior, with zero loss: vacuous at the buffer's n_eff (~5), not at the chain's (~150)
+    assert pb_sac.markov_bound(0.0, 5.0, buffer, 0.05) > 1 > 0.5 > pb_sac.markov_bound(0.0, 5.0, chain, 0.05)
+
+
+def test_posterior_moves_from_its_prior_only_at_the_chains_n_eff():
+    """Critic 1 trained on the bound (sac_losses) for 100 Adam steps on a fixed batch: at a buffer-scale n_eff (2) the
+    complexity term holds it at its prior; at a chain-scale n_eff (100) it moves further and fits the targets
+    better (squared error of the posterior mean, deterministic)."""
+    out = {}
+    with torch_threads(1):
+        for n_eff in (2.0, 100.0):
+            torch.manual_seed(0)
+            p = pb_sac.Params(hidden=16, posterior_samples=4)
+            agent = pb_sac.Agent(3, 1, 2.0, p, pb=True)
+            g = torch.Generator().manual_seed(1)
+            s = torch.randn(128, 3, generator=g)
+            b = {"s": s, "a": torch.rand(128, 1, generator=g) * 4 - 2, "r": torch.sin(2 * s[:, 0]),
+                 "s2": torch.randn(128, 3, generator=g), "terminal": torch.ones(128),  # y = r: a fixed target
+                 "n_eff": torch.full((128,), n_eff), "c": torch.ones(128)}
+            with torch.no_grad():
+                prior_fit = float(((agent.q1(s, b["a"]) - b["r"]) ** 2).mean())
+            opt = torch.optim.Adam(agent.q1.parameters(), lr=1e-2)
+            for _ in range(100):
+                loss, _ = pb_sac.sac_losses(agent, b, p)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            with torch.no_grad():
+                gain = prior_fit - float(((agent.q1(s, b["a"]) - b["r"]) ** 2).mean())
+                out[n_eff] = (float(agent.q1.kl(p.prior_sigma)), gain)
+    assert out[100.0][0] > 10 * out[2.0][0]  # the posterior moves much further from its prior (0.45 vs 0.01 nats)
+    assert out[100.0][1] > 3 * max(out[2.0][1], 0.0)  # and fits the targets better (0.012 vs 0.002)
