@@ -244,3 +244,24 @@ def test_gate_warmup_freezes_the_gate_logits_and_leaves_out_l0():
     pert.zero_()
     la, _ = grads(5)
     assert (la > 0).all()
+
+
+def test_every_encoder_reads_its_worlds_training_cells_standardised_per_gene(tmp_path):
+    """build fits each arm's GeneScaler on its own world's training cells (never the held-out doubles): on them every
+    encoder's input has mean 0 and std 1 per gene; the statistics are buffers, so the saved network keeps them."""
+    p = pv.Params(genes=30, singles=3, doubles=2, cells=300, sweep_rho=[0.5])
+    pv.prepare(p, tmp_path)
+    worlds = pv._worlds(p, tmp_path)
+    model = pv.build(worlds, p)
+    for name, net in model.nets.items():
+        d = worlds[model.worlds[name]]
+        train, test = d["x"][np.flatnonzero(d["train"])], d["x"][np.flatnonzero(~d["train"])]
+        z = net.scaler(train)  # (N, G)
+        assert torch.allclose(z.mean(0), torch.zeros(30), atol=1e-4) and torch.allclose(z.std(0), torch.ones(30),
+                                                                                        atol=1e-3)
+        assert net.scaler(test).mean(0).abs().max() > 0.05  # the held-out cells were not part of the fit
+        assert {"scaler.mean", "scaler.std"} <= set(net.state_dict())
+    assert not torch.equal(model.nets["pvae"].scaler.mean, model.nets["pvae_rho50"].scaler.mean)  # each its world's
+    # the encoders read the standardised input: PerturbedVAE's z_p means are its encoder applied to it
+    net, x = model.nets["pvae"], worlds[""]["x"][:5]
+    assert torch.allclose(net.latent(x), net.enc_p(net.scaler(x)).chunk(2, -1)[0])
