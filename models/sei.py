@@ -22,7 +22,9 @@ Deviations from the paper (choices the abstract left open):
   alone), which pays DeepSpeed's start-up once instead of once per network.
 - The full profile reads an image folder + CSV (ISIC layout) as grayscale at `image_size`; it trains the same CNN
   backbones scaled up, not open_clip's RN50 (open_clip and its weights are not installed here).
-- Downstream retraining runs for every score (cheap in lock-step), not only SEI and the best baseline.
+- Downstream retraining runs for every score (cheap in lock-step) in the full profile, not only SEI and the best
+  baseline; smoke retrains only without SEI's flags and without removal (`downstream_scores`), the two accuracies
+  the premises read: no claim part reads a downstream accuracy, so the other arms do not belong in smoke.
 - Smoke trains without pooling (`pool` = the image side) at a higher, cosine-decayed learning rate, so that the
   networks memorise most mislabeled samples (a premise); the paper's 20 epochs at a constant rate leave them unfit.
   Smoke skips the threshold-sample runs (`threshold_run`): the hard decision's precision / recall / F1 are reported
@@ -40,7 +42,7 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sklearn.datasets import load_digits
 from sklearn.metrics import average_precision_score, roc_auc_score
 from torch import nn
@@ -53,6 +55,7 @@ from models.contract import Claim, Compare, Paper, PaperParams
 PAIR_FLIPS = {1: 7, 7: 1, 3: 8, 8: 3, 5: 6, 6: 5, 4: 9, 9: 4}  # look-alike digits
 SCORES = ("sei", "aum", "loss", "forgetting", "cl", "final_entropy", "mean_entropy")
 BASELINES = SCORES[1:]
+DOWNSTREAM = ("none", "sei", "aum", "loss", "forgetting", "cl")  # retrain without each score's flags ("none": all)
 
 
 class NoiseSetting(BaseModel):
@@ -87,6 +90,15 @@ class Params(PaperParams):
     prompt_encoder: Literal["minilm", "random"] = Field("minilm", description="Text tower of the CLIP-style net.")
     downstream_epochs: int = Field(20, ge=1, description="Epochs of the retraining after removing flagged samples.",
                                    json_schema_extra={"passes": True})
+    downstream_scores: list[Literal[DOWNSTREAM]] = Field(
+        list(DOWNSTREAM), description="Scores whose top-k flagged samples a downstream network is retrained without "
+        "('none': without removal). 'none' and 'sei' always: the premises read their accuracies.")
+
+    @model_validator(mode="after")
+    def _downstream_read_by_premises(self):
+        if not {"none", "sei"} <= set(self.downstream_scores):
+            raise ValueError("downstream_scores needs 'none' and 'sei' (the downstream premises read them)")
+        return self
 
 
 # ---- data --------------------------------------------------------------------------------------------------
@@ -356,7 +368,7 @@ def train(ctx) -> None:
         stats = {stat: state[stat][slots[f"{s}|cnn|main"]].numpy() for stat in STATS}
         scores = detection_scores(stats, cl[f"{s}|cnn"])
         top_k = int(d["is_noisy"][si].sum())
-        for score in ("none", "sei", "aum", "loss", "forgetting", "cl"):
+        for score in p.downstream_scores:
             keep = torch.ones(n, dtype=torch.bool)
             if score != "none":
                 keep[torch.from_numpy(np.argsort(-scores[score], kind="stable")[:top_k].copy())] = False
@@ -420,7 +432,7 @@ def evaluate(ctx) -> dict[str, float]:
             split_histogram(ctx.plots_dir / f"sei_{s}_{b}.png", -scores["sei"], noisy.astype(bool),
                             ("clean", "mislabeled"), "SEI", f"SEI distribution, {s}, {b}")
         _entropy_plot(ctx.plots_dir / f"entropy_{s}.png", rec, s, noisy)
-        for score in ("none", "sei", "aum", "loss", "forgetting", "cl"):
+        for score in ctx.params.downstream_scores:
             key = "method/downstream_acc" if score == "sei" else \
                 f"baseline/{'no_removal' if score == 'none' else score}/downstream_acc"
             add(key, rec["downstream"][f"s{si}_{score}"])

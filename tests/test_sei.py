@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from models import sei
@@ -122,6 +123,18 @@ def test_memorisation_premise_leaves_the_claim_undecided_when_noisy_labels_are_n
     assert claim.decide([replicate(r, 0.8) for r in range(3)]).verdict == "holds"
     unfit = claim.decide([replicate(r, 0.05) for r in range(3)])
     assert unfit.verdict == "inconclusive" and "cnn_memorises_noisy_labels" in unfit.reason
+
+
+def test_downstream_arms_are_those_the_premises_read():
+    """Smoke retrains downstream only without SEI's flags and without removal, the two accuracies the premises read;
+    a profile that drops either fails validation instead of a premise missing its metric at the end."""
+    premise_metrics = {m for c in sei.PAPER.claim.premises for m in (c.left, *c.right_names) if "downstream" in m}
+    assert premise_metrics == {"baseline/no_removal/downstream_acc", "method/downstream_acc"}
+    base = {"settings": [{"type": "symmetric", "eta": 0.4}]}
+    assert sei.Params(**base).downstream_scores == list(sei.DOWNSTREAM)
+    assert sei.Params(**base, downstream_scores=["none", "sei"]).downstream_scores == ["none", "sei"]
+    with pytest.raises(ValueError, match="'none' and 'sei'"):
+        sei.Params(**base, downstream_scores=["sei", "aum"])
 
 
 def _fit_random_labels(pool: int) -> float:
