@@ -37,12 +37,12 @@ Deviations from the paper (choices the abstract left open):
 - During training n_eff uses t_mix from the buffer's state features only (recomputed every `tmix_every` updates),
   since the loss sequence would need a critic pass over the whole buffer each time; the certificate uses both.
 - smoke (`train_n: chain`): the training complexity term's n_eff is chain_steps / (9 t_mix), the size of the chain
-  the posterior will be certified on, instead of the buffer's rows / (9 t_mix). A buffer of 3,000 Pendulum steps
-  has n_eff 1-2, at which the complexity term alone exceeds 1 and any move from the prior costs more than the whole
-  empirical loss: the posterior stays at its prior (KL ~0.1 nats), critic 1 is untrained and no part tests PB-SAC.
+  the posterior will be certified on, instead of the buffer's rows / (9 t_mix). A buffer of a few thousand Pendulum
+  steps spans only a few mixing times, so the complexity term alone exceeds 1 and any move from the prior costs more
+  than the whole empirical loss: the posterior stays at its prior, critic 1 is untrained and no part tests PB-SAC.
   The full profile's 200k-step buffer has the n of smoke's 200k-step certificate chain.
-- smoke trains 5,000 environment steps per agent (the spec says 2,500): at 3,000 SAC's normalised return was
-  0.35-0.57 over three replicates, still short of the swing-up.
+- smoke trains 5,000 environment steps per agent (the spec says 2,500): with fewer, SAC had not learned the
+  swing-up (premise sac_learns; the sizing runs: commit 02cab9a).
 - E_rho L_hat in the certificate is a Monte-Carlo average over `cert_samples` weight samples (no extra
   sample-convergence term). The validation estimate averages the loss over independent full episodes, whose
   state distribution is the stationary one of the reset chain.

@@ -57,10 +57,10 @@ Deviations from the paper (choices the abstract left open):
   query (query_fraction 1, so 1% FPR rests on the most non-member sources); all 1,797 source images with 4
   variants each instead of 12 (about 7,200 samples, not the spec's 21,500), trained until the training loss is near
   zero. The variants are the target's augmentation, hence its regulariser: with 12 a target at near-zero loss
-  generalises so well that it barely ranks class-h members above non-members (global-threshold AUROC ~0.58), the
-  regime in which every attack sits at chance; with 4 it overfits its members (the paper's setting) and still
-  generalises (seen-class accuracy ~0.89). Half the sources with 12 variants leaks as much but halves the ~180
-  class-h query sources, and which of them are members then moves the AUROC by +-0.06 from one world to the next.
+  generalises so well that it barely ranks class-h members above non-members, the regime in which every attack sits
+  at chance; with 4 it overfits its members (the paper's setting) and still generalises (premise
+  target_generalises). Half the sources with 12 variants leaks as much but halves the class-h query sources, and
+  which of them are members then moves the AUROC from one world to the next (the sizing runs: commit d921cf8).
 """
 
 from __future__ import annotations
