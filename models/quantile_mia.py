@@ -46,7 +46,10 @@ Deviations from the paper (choices the abstract left open):
   query, takes its IN Gaussian from the auditor's own data: mu_in(q) = mu_out(q) + the mean IN-OUT shift of phi
   over the shadows' pool samples, with the pool's IN variance (Carlini et al.'s fixed-variance form, the IN side
   transferred). The default fraction keeps about half of class h's non-member sources as queries, so that 1% FPR
-  rests on several non-member queries.
+  rests on several non-member queries. In the unseen setting no shadow saw class h, so the target's phi on every
+  query lies far above mu_out, past the maximum of the unequal-variance likelihood ratio (sd_in < sd_out): there
+  online LiRA ranks the most confident queries lowest. That is the ratio of Carlini et al.'s reference code, kept
+  as it is; the claim reads the better of online and offline LiRA, and offline is monotone in phi.
 - Regression targets are standardised by the public scores' mean and std; the pinball head predicts the levels in
   `pinball_levels` (its ROC-free operating points are reported under detail/).
 - full: CIFAR-10 python batches (`load_cifar10`), one held-out class; targets and shadows are ResNet-18s (CIFAR

@@ -65,6 +65,19 @@ def test_lira_online_and_offline_directions():
     assert abs(scores["lira_offline"][1]) < 1.0  # at the OUT mean: about zero standard deviations
 
 
+def test_lira_online_ranks_in_reverse_far_past_the_in_mean():
+    # the unseen setting's shape: IN narrower than OUT, queries far above both means (no shadow saw the class);
+    # past the ratio's maximum a higher phi scores lower online, while offline stays monotone
+    rng = np.random.default_rng(0)
+    phi_out = np.tile(rng.normal(0.0, 2.0, (8, 1)), (1, 50))  # every query has the same OUT mean
+    pool_in = rng.random((8, 40)) < 0.5
+    pool_phi = np.where(pool_in, 3.0, 0.0) + rng.normal(0.0, 1.0, (8, 40))
+    far = np.linspace(25.0, 35.0, 50)
+    scores = qm.lira_scores(far, phi_out, pool_phi, pool_in)
+    assert np.all(np.diff(scores["lira_online"]) < 0)
+    assert np.all(np.diff(scores["lira_offline"]) > 0)
+
+
 def test_tpr_at_fpr_known_value():
     member = np.array([1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], dtype=bool)
     score = np.array([10, 9, 1, 0, 8, 5, 4, 3, 2, 1.5, 0.5, 0.2, 0.1, -1])
