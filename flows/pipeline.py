@@ -275,6 +275,8 @@ def _open_run(request: RunRequest, exp_id: str, book: ledger.Ledger, prepared, f
         "paperline.kind": "pipeline", "paperline.replicates": str(request.replicates),
         "paperline.data_hash": data_hash, "paperline.data_stage": prepared[0].stage.target,
         "paperline.world_size": str(request.params.ranks), "paperline.pid": str(os.getpid()),
+        # results move with torch's thread count (float reduction order): `paperline reproduce` replays it
+        "paperline.threads_per_rank": str(train.threads_per_rank(request.params)),
         "paperline.overrides": ",".join(f"{k}={v}" for k, v in request.overrides.items()),
         "mlflow.source.git.commit": (commit := tracking.git_commit()),
         "prefect.flow_run_id": str(runtime.flow_run.id or ""),

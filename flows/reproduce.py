@@ -3,7 +3,8 @@ by metric, with the original.
 
 The lineage a run records (see `flows/pipeline.py`): the commit holding exactly its tracked code (`paperline.code_ref`,
 kept alive by `refs/paperline/<run id>`), the params as given with the profile (`inputs/run_inputs.json`; the world
-size is `params.ranks`), and the DVC data hash. The scratch is a shared clone of this repository at that commit with
+size is `params.ranks`), the torch threads each rank trained with (`paperline.threads_per_rank`: the rerun is pinned
+to as many cores), and the DVC data hash. The scratch is a shared clone of this repository at that commit with
 the recorded params written into its `params.yaml`; it uses this project's DVC cache and MLflow store, so the new
 run lands beside the original, tagged `paperline.reproduces=<run id>`. Timings (`time/*`), CPU seconds (`cpu/*`)
 and the wall-clock rates, loads and waits (`timing/*`: training steps a second, the load and waits timed parts were
@@ -95,21 +96,38 @@ def scratch_checkout(code_ref: str, inputs: dict, folder: Path) -> Path:
     return folder
 
 
+def replay_cores(recorded_threads: str | None, params: dict) -> list[int] | None:
+    """The cores the rerun is pinned to so that each rank gets the recorded torch thread count (a run without a
+    `threads` param takes its cores over its ranks: one core in a `--parallel 2` suite, two alone, and the results
+    move at rounding level with it); None where nothing needs pinning or this machine has too few cores (said)."""
+    if params.get("threads") or not recorded_threads:
+        return None  # pinned by the params, or recorded before the thread count was
+    wanted = int(recorded_threads) * int(params.get("ranks") or 1)
+    cores = sorted(os.sched_getaffinity(0))
+    if wanted > len(cores):
+        print(f"reproduce: the run used {recorded_threads} torch threads a rank; this machine has {len(cores)} "
+              "cores for all ranks, so metrics may differ at rounding level")
+        return None
+    return cores[:wanted]
+
+
 def reproduce(run_id: str, keep: bool = False) -> Comparison:
     inputs, code_ref = recorded_inputs(run_id)
     paper, profile = inputs["paper"], inputs["profile"]
     scratch = scratch_checkout(code_ref, inputs, settings.root() / ".cache" / "reproduce" / run_id)
     env = {**os.environ, "PAPERLINE_ROOT": str(scratch), "PYTHONPATH": str(scratch),
            "MLFLOW_TRACKING_URI": settings.tracking_uri(), "PAPERLINE_REPRODUCES": run_id}
+    client = tracking.client()
+    original = client.get_run(run_id)
+    cores = replay_cores(original.data.tags.get("paperline.threads_per_rank"), inputs["params"])
     started = int(time.time() * 1000)
     try:
         subprocess.run([sys.executable, "-m", "flows.cli", "run", paper, "--profile", profile, "--force"],
-                       cwd=scratch, env=env, check=True)
+                       cwd=scratch, env=env, check=True,
+                       preexec_fn=None if cores is None else lambda: os.sched_setaffinity(0, cores))
     finally:
         if not keep:
             shutil.rmtree(scratch, ignore_errors=True)
-    client = tracking.client()
-    original = client.get_run(run_id)
     found = client.search_runs([original.info.experiment_id],
                                filter_string=f"tags.`paperline.reproduces` = '{run_id}' and "
                                              f"attributes.start_time >= {started}",

@@ -59,7 +59,7 @@ def launch(job: TrainJob) -> None:
             "out_dir": str(job.out_dir), "run_id": job.run_id,
             # a URI holding a password stays out of files: the ranks then read it from their environment
             "tracking_uri": job.tracking_uri if job.tracking_uri == mask(job.tracking_uri or "") else None,
-            "threads_per_rank": _threads_per_rank(job.params), "cores": list(_cores())}
+            "threads_per_rank": threads_per_rank(job.params), "cores": list(_cores())}
     spec_path.write_text(json.dumps(spec, indent=1))  # the record of what ran, in the run folder
     nodes = nodes_from_env()
     others: list[subprocess.Popen] = []  # the launchers of nodes 1.. (node 0's output is streamed below)
@@ -126,13 +126,13 @@ def core_slots(parallel: int) -> list[tuple[int, ...] | None]:
     return [tuple(cores[i * size:(i + 1) * size]) for i in range(parallel)]
 
 
-def _threads_per_rank(params: PaperParams) -> int:
+def threads_per_rank(params: PaperParams) -> int:
     """The profile's `threads`, else this job's cores split over its ranks."""
     return params.threads or max(1, len(_cores()) // params.ranks)
 
 
 def _rank_env(params: PaperParams) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(_threads_per_rank(params)), "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank(params)), "PYTHONUNBUFFERED": "1",
            "PAPERLINE_PROGRESS": "lines"}  # rank 0 reports progress as structured lines (PhaseBars renders them)
     env.pop("LOCAL_SIZE", None)  # its presence leaves DeepSpeed shm segments behind in /dev/shm
     return env

@@ -184,7 +184,7 @@ def test_papers_side_by_side_train_on_cores_of_their_own(monkeypatch):
     seen = []
 
     def pipeline_stub(request, force):
-        seen.append((request.paper, train.CORES.get(), train._threads_per_rank(PaperParams()), train._cores()))
+        seen.append((request.paper, train.CORES.get(), train.threads_per_rank(PaperParams()), train._cores()))
         return {}
 
     monkeypatch.setattr(pipeline, "paper_pipeline", pipeline_stub)
@@ -200,9 +200,9 @@ def test_a_profiles_threads_set_each_ranks_threads(monkeypatch):
     """`threads` in a profile fixes each rank's torch threads (the spec's threads_per_rank and OMP_NUM_THREADS);
     without it the job's cores are split over its ranks."""
     monkeypatch.setattr(train.os, "sched_getaffinity", lambda pid: {0, 1})
-    assert train._threads_per_rank(PaperParams(ranks=2)) == 1 and train._threads_per_rank(PaperParams()) == 2
+    assert train.threads_per_rank(PaperParams(ranks=2)) == 1 and train.threads_per_rank(PaperParams()) == 2
     one = PaperParams(threads=1)
-    assert train._threads_per_rank(one) == 1 and train._rank_env(one)["OMP_NUM_THREADS"] == "1"
+    assert train.threads_per_rank(one) == 1 and train._rank_env(one)["OMP_NUM_THREADS"] == "1"
     assert train._fixed_env(one) != train._fixed_env(PaperParams())  # a prestarted job of other threads is not reused
 
 

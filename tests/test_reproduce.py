@@ -41,6 +41,7 @@ def test_reproduce_reruns_a_recorded_run_and_matches_bitwise(tmp_path):
     experiment = client.get_experiment_by_name("paperline/sei").experiment_id
     (original,) = client.search_runs([experiment], "tags.`paperline.kind` = 'pipeline'")
     assert client.get_run(original.info.run_id).data.tags["paperline.code_ref"]
+    assert int(original.data.tags["paperline.threads_per_rank"]) >= 1  # what the rerun pins
     pinned = subprocess.run(["git", "rev-parse", f"refs/paperline/{original.info.run_id}"], cwd=clone, check=True,
                             capture_output=True, text=True).stdout.strip()
     assert pinned == original.data.tags["paperline.code_ref"]
@@ -55,6 +56,17 @@ def test_reproduce_reruns_a_recorded_run_and_matches_bitwise(tmp_path):
     assert len(rerun) == 1 and rerun[0].data.tags["paperline.reproduced"] == "true"
     assert rerun[0].data.params == original.data.params
     assert not (clone / ".cache" / "reproduce" / original.info.run_id).exists()  # the scratch is cleaned up
+
+
+def test_rerun_is_pinned_to_the_recorded_threads_of_each_rank(capsys):
+    from flows.reproduce import replay_cores
+
+    cores = sorted(os.sched_getaffinity(0))
+    assert replay_cores("1", {"ranks": 1, "threads": None}) == cores[:1]  # a `--parallel 2` suite's paper
+    assert replay_cores("1", {"ranks": 1, "threads": 1}) is None  # the params pin it already
+    assert replay_cores(None, {"ranks": 1}) is None  # recorded before threads were
+    assert replay_cores(str(len(cores)), {"ranks": 2, "threads": None}) is None  # more than this machine has
+    assert "may differ at rounding level" in capsys.readouterr().out
 
 
 def test_comparison_reports_every_difference():
