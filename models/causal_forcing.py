@@ -210,8 +210,12 @@ class FrameTransformer(nn.Module):
         super().__init__()
         self.causal, self.frames, self.width = causal, frames, width
         self.inp, self.out = nn.Linear(P, width), nn.Linear(width, P)
-        self.pos = nn.Parameter(torch.randn(frames, width) * 0.02)
-        self.kind = nn.Parameter(torch.randn(2, width) * 0.02)  # clean / noisy token
+        # frame position and token kind at the scale of the frame and prompt embeddings (about 1 a coordinate, as
+        # nn.Embedding starts): at 0.02 a bidirectional model never learned frame order (its position stayed at its
+        # initial size and it treated the clip as a set of frames), so motion direction, three of the four prompts,
+        # was invisible to it; a causal model gets order from its mask either way
+        self.pos = nn.Parameter(torch.randn(frames, width))
+        self.kind = nn.Parameter(torch.randn(2, width))  # clean / noisy token
         self.t_mlp = nn.Sequential(nn.Linear(width, width), nn.SiLU(), nn.Linear(width, width))
         self.prompt = nn.Embedding(len(PROMPTS), width)
         layer = nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True, norm_first=True)
