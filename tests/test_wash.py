@@ -51,20 +51,124 @@ def test_alignment_is_exact_for_a_character_model():
     assert torch.allclose(got, direct[:, [pr.tok.stoi[c] for c in wash.ALPHABET]], atol=1e-6)
 
 
-def test_alignment_on_bpe_is_a_distribution_with_brute_force_terms():
-    pr = _provider(12, 1)
-    text = "the cat sat on th"
-    seq = pr.tok.encode(text)
-    got = pr.char_probs([text])[0]
-    assert torch.isclose(got.sum(), torch.tensor(1.0)) and (got >= 0).all()
-    p = pr.probs([seq], 2)[0]  # (2, V)
-    r = pr.tok.itos[seq[-1]]
-    ref = torch.zeros(len(wash.ALPHABET))
-    for t, s in enumerate(pr.tok.itos):  # the two terms, by string matching one token at a time
-        if len(s) > len(r) and s.startswith(r):
-            ref[wash.ALPHABET.index(s[len(r)])] += p[0, t]
-        ref[wash.ALPHABET.index(s[0])] += p[0, seq[-1]] * p[1, t]
-    assert torch.allclose(got, ref / ref.sum(), atol=1e-6)
+class _WordLM(torch.nn.Module):
+    """A token LM with a known character marginal: words drawn i.i.d. from WORDS, each emitted as its canonical
+    BPE tokens after a space; contexts never seen in canonical data get a uniform distribution over the tokens of
+    'a', 'b' and space. Its exact next-character distribution after ' ' + u is the word distribution given u."""
+
+    WORDS = {"aba": 0.30, "abb": 0.20, "bab": 0.25, "ba": 0.15, "bba": 0.10}
+
+    def __init__(self, tok: BPETokenizer):
+        super().__init__()
+        self.tok = tok
+        self.can = {w: tuple(tok.stoi[t] for t in tok.tokens("x " + w)[1:]) for w in self.WORDS}
+        self.allowed = [i for i, s in enumerate(tok.itos) if set(s) <= set("ab ")]
+
+    def next_dist(self, hist: list[int]) -> torch.Tensor:
+        first = torch.zeros(len(self.tok))
+        for w, pw in self.WORDS.items():
+            first[self.can[w][0]] += pw
+        starts = [j for j, t in enumerate(hist) if self.tok.itos[t].startswith(" ")]
+        if not starts:
+            return first
+        cur, p = tuple(hist[starts[-1] :]), torch.zeros(len(self.tok))
+        for w, pw in self.WORDS.items():
+            c = self.can[w]
+            if c[: len(cur)] == cur:
+                p += pw * first if len(c) == len(cur) else pw * torch.eye(len(self.tok))[c[len(cur)]]
+        if p.sum() == 0:
+            p[self.allowed] = 1.0
+        return p / p.sum()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.full((*ids.shape, len(self.tok)), -1e9)
+        for b in range(ids.shape[0]):
+            for j in range(ids.shape[1]):
+                d = self.next_dist(ids[b, : j + 1].tolist())
+                out[b, j] = torch.where(d > 0, d.log(), torch.tensor(-1e9))
+        return out
+
+
+def test_alignment_is_the_exact_character_marginal_on_a_hand_made_vocabulary():
+    """Known values: ' ba' tokenises to [' b', 'a'] while the word 'bab' is the single token ' bab', so after ' ba'
+    the next character is 'b' with 0.25 / 0.40 (the spec's one-token back-off gave {' ': 1.0}); ' a' is a token
+    never seen canonically (the back-off gave NaN)."""
+    tok = BPETokenizer(wash.ALPHABET, [("a", "b"), (" ", "b"), ("b", "a"), (" ", "a"), ("ab", "a"), (" b", "ab")])
+    lm = _WordLM(tok)
+    assert tok.tokens("x ba")[1:] == [" b", "a"] and tok.tokens("x bab")[1:] == [" bab"]
+    pr = wash.Provider(lm, tok, None, 64)
+    us = ["", "a", "ab", "b", "ba", "bb", "aba", "bab"]
+    got = pr.char_probs(["ba aba " + u for u in us], watermark=False)
+    assert torch.isfinite(got).all()
+    for u, q in zip(us, got, strict=True):
+        tot = sum(pw for w, pw in lm.WORDS.items() if w.startswith(u))
+        exact = torch.zeros(len(wash.ALPHABET))
+        for w, pw in lm.WORDS.items():
+            if w.startswith(u):
+                exact[wash.ALPHABET.index(" " if w == u else w[len(u)])] += pw / tot
+        assert torch.allclose(q, exact, atol=1e-6), u
+    ba = got[us.index("ba")]
+    assert np.isclose(float(ba[wash.ALPHABET.index("b")]), 0.625) and np.isclose(float(ba[0 + 26]), 0.375)
+
+
+def _sharp_provider(merges: int, seed: int) -> wash.Provider:
+    """A random LM with peaked next-token distributions (embeddings of scale 1), watermarked."""
+    pr = _provider(merges, seed)
+    with torch.no_grad():
+        pr.lm.body.tok.weight.normal_(0, 1)
+    return pr
+
+
+def test_aligned_marginal_of_one_provider_sums_to_one():
+    """The kept hypotheses' next-character masses sum to 1 in every row at every step (no mass counted twice or
+    lost beyond pruning's renormalisation), and the distribution is finite and non-negative."""
+    pr = _sharp_provider(12, 5)
+    beam = wash.CharBeam(pr, ["the cat.", "a dog ran."], watermark=True)
+    for a, b in zip(" the cat sat on", " a dog sat near", strict=True):
+        q = beam.mass()
+        assert torch.allclose(q.sum(-1), torch.ones(2, dtype=torch.float64), atol=1e-5)
+        assert (q >= 0).all() and torch.isfinite(q).all()
+        beam.advance([wash.ALPHABET.index(a), wash.ALPHABET.index(b)])
+    assert max(len([r for r in beam.rows if r == b]) for b in range(2)) <= beam.cap
+
+
+def _brute_force(pr: wash.Provider, start: list[int], y: str, cache: dict) -> float:
+    """P(the text after `start` begins with y): every token sequence whose string starts with y, counted once by
+    recursion over the tokens that match y (watermarked, one forward pass per path, cached)."""
+
+    def nxt(path: tuple[int, ...]) -> torch.Tensor:
+        if path not in cache:
+            cache[path] = pr.probs([list(path)], 1)[0, 0].double()
+        return cache[path]
+
+    def mass(path: tuple[int, ...], pos: int) -> float:
+        if pos == len(y):
+            return 1.0
+        rest, p, total = y[pos:], nxt(path), 0.0
+        for t, s in enumerate(pr.tok.itos):
+            if len(s) >= len(rest) and s.startswith(rest):
+                total += float(p[t])
+            elif len(s) < len(rest) and rest.startswith(s):
+                total += float(p[t]) * mass((*path, t), pos + len(s))
+        return total
+
+    return mass(tuple(start), 0)
+
+
+def test_beam_with_a_huge_cap_equals_brute_force_enumeration():
+    pr = _sharp_provider(12, 6)
+    prompt, y = "the cat.", " the ca"
+    beam = wash.CharBeam(pr, [prompt], watermark=True, cap=10**6, prune=0.0)
+    for c in y:
+        beam.advance([wash.ALPHABET.index(c)])
+    assert len(beam.rows) > 2  # several segmentations alive
+    start = pr.tok.encode(prompt)
+    cache: dict[tuple[int, ...], torch.Tensor] = {}
+    p_y = _brute_force(pr, start, y, cache)
+    assert np.isclose(float(beam.logz[0]), np.log(p_y), atol=1e-5)
+    nxt = np.array([_brute_force(pr, start, y + c, cache) for c in wash.ALPHABET])
+    assert np.isclose(nxt.sum(), p_y, rtol=1e-5)
+    assert np.allclose(beam.dist()[0].numpy(), nxt / nxt.sum(), atol=1e-5)
 
 
 def test_averaging_independent_watermarks_shrinks_tv_to_the_clean_average():
@@ -105,14 +209,18 @@ def test_c4_jsonl_loader_on_a_fixture(tmp_path):
 
 
 def test_counted_work_per_arm():
-    """Counted work (LM forward passes, one per sequence row): WASH pays one pass per provider per character,
-    token-level sampling one pass per token, so a BPE provider pays fewer passes than characters."""
+    """Counted work (LM forward passes, one per sequence row): WASH pays one pass per character for the character
+    provider and one per new token path for a BPE provider, token-level sampling one pass per token, so a BPE
+    provider pays fewer passes than characters."""
     chars, prompts = 9, ["the cat.", "a dog.", "some bird."]
     g = torch.Generator().manual_seed(0)
     provs = [_provider(0, 1), _provider(12, 2), _provider(24, 3)]
     start = wash.PASSES["rows"]
-    wash.generate_wash(provs, prompts, chars, g)
-    assert wash.PASSES["rows"] - start == chars * len(provs) * len(prompts)
+    wash.generate_wash(provs[:1], prompts, chars, g)  # characters: one path per row, one pass per character
+    assert wash.PASSES["rows"] - start == chars * len(prompts)
+    start = wash.PASSES["rows"]
+    wash.generate_wash(provs, prompts, chars, g)  # BPE providers forward only the paths that took a new token
+    assert chars * len(prompts) < wash.PASSES["rows"] - start <= (1 + 2 * 16) * chars * len(prompts)
     start = wash.PASSES["rows"]
     outs = wash.generate_tokens(provs[0], prompts, chars, g)  # characters: one token per character
     assert wash.PASSES["rows"] - start == chars * len(prompts) and all(len(o) == chars for o in outs)
