@@ -40,10 +40,10 @@ Deviations from the paper (choices the abstract left open):
   the next character may start anywhere in the current word, and a partial word's canonical tokens are in general
   not a prefix of the whole word's (" thi" -> " th" + "i" while " this" is one token), so it conditions on
   off-distribution contexts, misses paths (hand-made vocabulary: {' ': 1.0} where the marginal is {b: .625,
-  ' ': .375}) and returns NaN after a token never seen canonically. On a saved smoke provider it sampled text of
-  ~2x the perplexity of the provider's own token samples. The beam sums over every token path instead (the
-  canonical prompt tokens as the start, as token-level sampling); it prunes paths below 1e-3 of their row's mass and
-  keeps at most 8 a row (teacher-forced held-out text: 0.9029 nats/char against 0.9030 unpruned).
+  ' ': .375}) and returns NaN after a token never seen canonically; premise alignment_faithful measures what that
+  costs. The beam sums over every token path instead (the canonical prompt tokens as the start, as token-level
+  sampling); it prunes paths below 1e-3 of their row's mass and keeps at most 8 a row, chosen on teacher-forced
+  held-out text before any sizing run (commit f277fe2 gives the measurements).
 - The alignment's fidelity is a premise of the perplexity part: provider 2 without its watermark, sampled through
   the character alignment, against the same provider sampled token by token (perplexity within 10%).
 - Two comparisons are context, not evidence: passes per character (WASH runs all N providers per character by
