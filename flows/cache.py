@@ -2,7 +2,8 @@
 
 An unchanged rerun (same code, params as given, and data that DVC finds up to date) returns the earlier MLflow
 run's result. The flow does the same check inside `paper_pipeline`; `lookup` is the fast path the CLI tries first,
-so `paperline run <id>` on unchanged work costs an MLflow query and a DVC status, not a Prefect start.
+so `paperline run <id>` on unchanged work costs a DVC status and one query, not a Prefect start: on the embedded
+store the query reads its SQLite file directly (`tasks.embedded_store`), so MLflow is not even imported.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from models import registry
-from tasks import data, ledger, tracking
+from tasks import data, embedded_store, ledger, tracking
 
 
 @dataclass
@@ -37,22 +38,32 @@ class PipelineResult:
         return f"{'premises' if self.premises_only else 'claim'} {self.paper}: {self.claim_text} -> {head}\n{body}"
 
     @classmethod
-    def reused_run(cls, run, paper: str, profile: str, data_hash: str, start: float) -> PipelineResult:
-        tags = run.data.tags
+    def reused_run(cls, run_id: str, tags: dict[str, str], paper: str, profile: str, data_hash: str,
+                   start: float) -> PipelineResult:
         premises = tags.get("paperline.premises_only") == "true"
         prefix = "premises" if premises else "claim"
-        return cls(paper, profile, run.info.run_id, True, tags.get("premises.verdict", "") if premises else
-                   verdict_of(run), tags.get(f"{prefix}.text", ""), tags.get(f"{prefix}.numbers", ""),
+        return cls(paper, profile, run_id, True, tags.get("premises.verdict", "") if premises else
+                   verdict_of(tags), tags.get(f"{prefix}.text", ""), tags.get(f"{prefix}.numbers", ""),
                    tags.get(f"{prefix}.reason", ""), int(tags.get(f"{prefix}.replicates", "1") or 1), data_hash,
                    time.perf_counter() - start, premises)
 
 
-def verdict_of(run) -> str:
-    """A run's verdict; runs from before three verdicts recorded only `claim.holds`."""
-    tags = run.data.tags
+def verdict_of(tags: dict[str, str]) -> str:
+    """A run's verdict from its tags; runs from before three verdicts recorded only `claim.holds`."""
     if tags.get("claim.verdict"):
         return tags["claim.verdict"]
     return {"true": "holds", "false": "does not hold"}.get(tags.get("claim.holds", ""), "")
+
+
+def _find_cached(paper: str, key: str) -> tuple[str, dict[str, str]] | None:
+    """(run id, tags) of the finished run of `paper` with this cache key: straight from the embedded store's
+    file where it can be read (no MLflow import), through MLflow otherwise."""
+    if path := embedded_store.usable():
+        stored = embedded_store.find_cached(path, f"paperline/{paper}", key)
+        return (stored.run_id, stored.tags) if stored else None
+    experiment = tracking.client().get_experiment_by_name(f"paperline/{paper}")
+    run = tracking.find_cached(experiment.experiment_id, key) if experiment else None
+    return (run.info.run_id, run.data.tags) if run else None
 
 
 def lookup(asks: list[registry.RawRequest]) -> dict[str, PipelineResult]:
@@ -69,14 +80,12 @@ def lookup(asks: list[registry.RawRequest]) -> dict[str, PipelineResult]:
         pid = ask.paper
         replicate_hashes = [hashes[stage.target] for stage in stages[pid]]
         data_hash = ",".join(replicate_hashes) if all(replicate_hashes) else None
-        experiment = tracking.client().get_experiment_by_name(f"paperline/{pid}") if data_hash else None
-        if experiment is None:
+        cached = _find_cached(pid, ledger.pipeline_key(ask, data_hash)) if data_hash else None
+        if cached is None:
             continue
-        run = tracking.find_cached(experiment.experiment_id, ledger.pipeline_key(ask, data_hash))
-        if run is None:
-            continue
-        tracking.mark_reused(run.info.run_id)
-        print(f"[{pid}] unchanged code, params and data: reusing run {run.info.run_id} (use --force to retrain)",
+        run_id, tags = cached
+        tracking.mark_reused(run_id)
+        print(f"[{pid}] unchanged code, params and data: reusing run {run_id} (use --force to retrain)",
               file=sys.stderr, flush=True)
-        found[pid] = PipelineResult.reused_run(run, pid, ask.profile, data_hash, start)
+        found[pid] = PipelineResult.reused_run(run_id, tags, pid, ask.profile, data_hash, start)
     return found

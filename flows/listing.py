@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models import registry
-from tasks import settings
+from tasks import embedded_store, settings, tracking
 
 
 @dataclass(frozen=True)
@@ -87,10 +87,10 @@ Latest = tuple[str, str, float | None]  # verdict, profile, CPU-s a replicate
 
 def latest_verdicts() -> dict[str, Latest]:
     """paper id -> (verdict, profile, CPU-s a replicate) of its latest finished run that has a verdict."""
-    uri = settings.tracking_uri()
-    if uri.startswith("sqlite:///"):
-        path = Path(uri.removeprefix("sqlite:///"))
-        return _from_sqlite(path) if path.exists() else {}
+    if path := embedded_store.usable():
+        return _from_sqlite(path)
+    if not tracking.store_exists():  # an embedded store not created yet: nothing ran (MLflow would create it)
+        return {}
     return _from_client()
 
 
@@ -124,15 +124,13 @@ def _from_sqlite(path: Path) -> dict[str, Latest]:
                     chosen[paper] = run_id
             ids = list(chosen.values())
             cpu = dict(db.execute(_CPU.format(",".join("?" * len(ids))), ids).fetchall()) if ids else {}
-    except sqlite3.DatabaseError:  # an older or newer schema: ask MLflow
+    except sqlite3.DatabaseError:  # unreadable after all (e.g. changed under us): ask MLflow
         return _from_client()
     return {paper: (verdict_of(runs[run_id][1]), runs[run_id][1].get("paperline.profile", ""), cpu.get(run_id))
             for paper, run_id in chosen.items()}
 
 
 def _from_client() -> dict[str, Latest]:
-    from tasks import tracking
-
     c, out = tracking.client(), {}
     for exp in c.search_experiments(filter_string="name LIKE 'paperline/%'"):
         for run in c.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'",

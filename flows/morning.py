@@ -69,7 +69,7 @@ class Line:
 
 
 def _verdict(run) -> str:
-    return verdict_of(run)
+    return verdict_of(run.data.tags)
 
 
 def paper_line(paper_id: str, since_ms: int, profile: str) -> Line:

@@ -160,8 +160,8 @@ def _reuse(request: RunRequest, cached, prepared, exp_id: str, start: float) -> 
     tracking.mark_reused(cached.info.run_id)
     _say(f"[{request.paper}] unchanged code, params and data: reusing run {cached.info.run_id} "
          "(use --force to retrain)")
-    return _publish(PipelineResult.reused_run(cached, request.paper, request.profile, _data_hash(prepared), start),
-                    exp_id)
+    return _publish(PipelineResult.reused_run(cached.info.run_id, cached.data.tags, request.paper, request.profile,
+                                              _data_hash(prepared), start), exp_id)
 
 
 def _say_stored(request: RunRequest, book: ledger.Ledger) -> None:

@@ -62,7 +62,7 @@ def scoreboard(profile: str | None = "smoke", plots_dir: Path | None = None) -> 
             rows.append(Row(pid, paper.title, paper.claim.text(), "", NOT_RUN, "", "", profile or ""))
             continue
         t = run.data.tags
-        rows.append(Row(pid, paper.title, t.get("claim.text", ""), t.get("claim.numbers", ""), verdict_of(run),
+        rows.append(Row(pid, paper.title, t.get("claim.text", ""), t.get("claim.numbers", ""), verdict_of(t),
                         t.get("paperline.data_hash", ""), run.info.run_id, t.get("paperline.profile", ""),
                         run.info.experiment_id, t.get("claim.replicates", ""), t.get("claim.reason", ""),
                         _forest(run.info.run_id, plots_dir / f"{pid}-forest.png"),

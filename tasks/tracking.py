@@ -23,7 +23,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from models.registry import module_file
-from tasks import keys, settings
+from tasks import embedded_store, keys, settings
 from tasks.settings import mask
 
 TAG = "paperline."
@@ -61,7 +61,10 @@ def store_exists() -> bool:
 
 def check_reachable() -> None:
     """Fail before any work when the tracking server is down, with what to do about it. A server's port is probed
-    first, so a dead server fails in milliseconds instead of after MLflow's retries with backoff (minutes)."""
+    first, so a dead server fails in milliseconds instead of after MLflow's retries with backoff (minutes). An
+    embedded store that `embedded_store` can read is reachable without starting MLflow."""
+    if embedded_store.usable():
+        return
     uri = settings.tracking_uri()
     try:
         parsed = urlparse(uri)
@@ -147,7 +150,11 @@ def find_cached(exp_id: str, key: str):
 
 def mark_reused(run_id: str) -> None:
     """Stamp a reused run, so the morning report can tell "skipped: unchanged" from "not run"."""
-    client().set_tag(run_id, f"{TAG}reused_at", str(int(time.time() * 1000)))
+    stamp = str(int(time.time() * 1000))
+    if path := embedded_store.usable():
+        embedded_store.set_tag(path, run_id, f"{TAG}reused_at", stamp)
+    else:
+        client().set_tag(run_id, f"{TAG}reused_at", stamp)
 
 
 def find_resumable(exp_id: str, key: str):
