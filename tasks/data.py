@@ -167,17 +167,46 @@ def current_hashes(stages: list[DataStage]) -> dict[str, str | None]:
     recorded = {stage.target: h for stage in stages if (h := locked_hash(stage, locks)) is not None}
     if not recorded:
         return hashes
-    from dvc.repo import Repo
+    from dvc.dvcfile import load_file
+    from dvc.repo import Repo, lock_repo
 
+    by_target = {stage.target: stage for stage in stages}
     with dvc_lock(wait=False) as got, chdir(settings.root()):
         if not got:
             return hashes
         _follow_current_streams()
-        with Repo(str(settings.root())) as repo:
-            for target, recorded_hash in recorded.items():  # one status per target: a joint one is keyed
-                if not repo.status(targets=[target]):            # by DVC's stage names
+        with Repo(str(settings.root())) as repo, lock_repo(repo), _params_files_read_once():
+            dvc_files = {}  # each dvc.yaml (and its lock and vars) parsed once, not once per stage in it
+            for target, recorded_hash in recorded.items():
+                stage = by_target[target]
+                if stage.dvc_file not in dvc_files:
+                    dvc_files[stage.dvc_file] = load_file(repo, str(stage.dvc_file))
+                if not dvc_files[stage.dvc_file].stages[stage.name].status(check_updates=True):  # `dvc status`
                     hashes[target] = recorded_hash
     return hashes
+
+
+@contextmanager
+def _params_files_read_once():
+    """While checking many stages, DVC parses a params file once (not once per stage that reads it: the root
+    params.yaml holds every paper's profiles, and parsing it costs ~0.1 s). Keyed by path, size and mtime, so an
+    edited file is read again."""
+    from dvc.dependency import param
+
+    load_path, parsed = param.load_path, {}
+
+    def load_once(path, fs, **kwargs):
+        info = fs.info(path)
+        key = (path, info.get("size"), info.get("mtime"), tuple(sorted(kwargs.items())))
+        if key not in parsed:
+            parsed[key] = load_path(path, fs, **kwargs)
+        return parsed[key]
+
+    param.load_path = load_once
+    try:
+        yield
+    finally:
+        param.load_path = load_path
 
 
 @contextmanager
