@@ -60,7 +60,7 @@ Deviations from the paper (choices the abstract left open):
   scale as eps^-2).
 - Each incremental step starts a fresh AdamW; `step_decay` / `step_warmup` give it a schedule (smoke: one-epoch
   warm-up, then cosine decay to 0 over the step, as CISS pipelines such as MiB and PLOP decay the rate within
-  every step); the first step keeps a constant rate.
+  every step) and `step_lr` its own peak rate, the same for every arm; the first step keeps a constant `lr`.
 - BatchNorm in the U-Net blocks (GroupNorm(1) sat at "all background" for ~100 steps) and a longer first step
   (`base_epochs`) so that the base classes are learnt before the incremental steps begin.
 """
@@ -115,7 +115,12 @@ class Params(PaperParams):
     base_epochs: int = Field(8, ge=1, description="Epochs of the first (base-class) step, shared by every arm.",
                              json_schema_extra={"passes": True})
     batch_size: int = Field(32, ge=2)
-    lr: float = Field(3e-3, gt=0)
+    lr: float = Field(3e-3, gt=0, description="Learning rate of the first (base-class) step, and of the incremental "
+                                              "steps when `step_lr` is unset.")
+    step_lr: float | None = Field(None, gt=0, description="Learning rate of each incremental step's fresh AdamW, "
+                                  "the same for every arm and candidate (unset: `lr`). The incremental steps train few "
+                                  "optimizer steps from a converged model, so they may need a larger rate than the "
+                                  "first step's long run from scratch.")
     step_decay: Literal["constant", "cosine"] = Field("constant", description="Learning-rate schedule of each "
                                                       "incremental step (a fresh AdamW per step): constant, or "
                                                       "cosine decay to 0 over the step.")
@@ -511,7 +516,8 @@ def train(ctx) -> None:
             ctx.progress(f"{proto} step {t}: classes {current}, {len(model.nets)} networks, "
                          f"{epochs} epochs x {per_epoch} steps")
             schedule = {"steps": epochs * per_epoch, "warmup": p.step_warmup, "decay": p.step_decay} if t else {}
-            ctx.fit(f"{proto}_step{t}", ctx.engine(model, p.lr, arms=model.nets, **schedule), step_fn, batch_fn,
+            lr = p.lr if t == 0 or p.step_lr is None else p.step_lr
+            ctx.fit(f"{proto}_step{t}", ctx.engine(model, lr, arms=model.nets, **schedule), step_fn, batch_fn,
                     epochs * per_epoch, state=competition)
 
 

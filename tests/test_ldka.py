@@ -269,3 +269,36 @@ def test_step_losses_equal_with_a_shared_first_step_model():
     assert out[True].keys() == out[False].keys() and len(out[True]) > len(names)
     for k in out[True]:
         assert out[True][k] == pytest.approx(out[False][k], rel=1e-6, abs=1e-7), k
+
+
+def test_incremental_steps_train_at_step_lr(tmp_path):
+    """The first step's engine gets `lr`; every incremental step's fresh AdamW gets `step_lr` (unset: `lr`), the
+    same rate for every arm and candidate, since they share one engine per step."""
+    import types
+
+    seen_lrs = {}
+
+    def run(step_lr):
+        p = m.Params(n_train=24, n_val=4, n_test=4, n_seeds=1, width=2, images_per_step=8, batch_size=4,
+                     arms=["base", "ldka"], grid={"lambda_kd": [1, 5], "lambda_skd": [0, 10]}, lr=3e-3,
+                     step_lr=step_lr)
+        calls = []
+
+        def engine(model, lr, arms=None, **schedule):
+            calls.append((lr, sorted(arms), schedule.get("steps")))
+            return model
+
+        ctx = types.SimpleNamespace(params=p, data_dir=tmp_path, progress=lambda msg: None, engine=engine,
+                                    fit=lambda *a, **k: None)
+        m.prepare(p, tmp_path)
+        m.train(ctx)
+        return calls
+
+    seen_lrs["set"], seen_lrs["unset"] = run(0.02), run(None)
+    networks = sorted(m.net_names(m.Params(n_seeds=1, arms=["base", "ldka"],
+                                           grid={"lambda_kd": [1, 5], "lambda_skd": [0, 10]})))
+    assert [lr for lr, _, _ in seen_lrs["set"]] == [3e-3, 0.02, 0.02]  # protocol 4-2: base step, then two increments
+    assert all(arms == networks for _, arms, _ in seen_lrs["set"][1:])  # both arms, every candidate, one rate
+    assert [lr for lr, _, _ in seen_lrs["unset"]] == [3e-3] * 3
+    with pytest.raises(ValueError):
+        m.Params(step_lr=0.0)
