@@ -58,6 +58,20 @@ def _init_distributed() -> None:
     deepspeed.init_distributed(backend, timeout=timedelta(seconds=int(os.environ.get("PAPERLINE_DIST_TIMEOUT", 120))))
 
 
+def build_ops() -> None:
+    """Compile DeepSpeed's CPU shared-memory collective op into the extensions cache now (`make setup` calls this),
+    so the first training on a fresh clone does not pay the build inside its replicate's CPU budget, and parallel
+    test workers do not race to build it. A no-op on GPUs and where the op is built already."""
+    from tasks import settings
+
+    settings.configure_environment()
+    if os.environ["DS_ACCELERATOR"] != "cpu":
+        return
+    from deepspeed.comm.torch import build_shm_op
+
+    build_shm_op()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
