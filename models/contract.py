@@ -73,7 +73,8 @@ class TrainContext(Protocol):
 
     def engine(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0, *,
                arms: Mapping[str, Any] | None = None, grad_clip: float | None = 1.0, steps: int | None = None,
-               warmup: int = 0, decay: Decay = "constant", ema: float | None = None) -> Any: ...
+               warmup: int = 0, decay: Decay = "constant", ema: float | None = None,
+               betas: tuple[float, float] = (0.9, 0.999)) -> Any: ...
     def fit(self, name: str, engine: Any, step_fn: Callable, batch_fn: Callable, num_steps: int,
             state: dict[str, torch.Tensor] | None = None, log_every: int = 10) -> None: ...
     def ema_network(self, engine: Any) -> torch.nn.Module | None: ...  # the EMA `engine(ema=...)` keeps

@@ -45,7 +45,7 @@ Deviations from the paper (choices the abstract left open):
   so the objective is the Gaussian log-likelihood at the MLE noise, as in the exact reference's score, and no
   log sigma is learned (a fixed-then-learned sigma made W's gradient depend on how far sigma lagged). NOTEARS uses
   the same profiled likelihood.
-- Adam's beta2 is a parameter of each arm (`beta2`, `notears_beta2`), set on the engine's param groups. An edge whose
+- Adam's beta2 is a parameter of each arm (`beta2`, `notears_beta2`). An edge whose
   weight has gone to zero is held only by the edge penalty, whose gradient through a near-saturated sigmoid(Phi) is
   orders of magnitude below the early gradients; with beta2 = 0.999 Adam's second moment remembers those for ~1,000
   steps, so such edges stayed at P ~ 1 with W ~ 0 (spurious edges in the returned graph). A shorter memory lets the
@@ -562,14 +562,6 @@ def timing_blocks(marks: np.ndarray, total: float, blocks: int = TIMING_BLOCKS) 
     return [float(v) for v in np.diff(np.append(marks, total)[edges])]
 
 
-def _with_beta2(engine, beta2: float):
-    """Set Adam's beta2 on every param group of the engine's optimizer (the engine takes no betas; AdamW reads
-    them from the group at each step, and they are saved with its state)."""
-    for group in engine.optimizer.param_groups:
-        group["betas"] = (group["betas"][0], beta2)
-    return engine
-
-
 def ordering_temperature(step: int, p: Params) -> float:
     """T0 at the end of the warm-up, geometric down to 1 over the `anneal` share of the steps, then 1."""
     start, span = p.warmup * p.steps, p.anneal * p.steps
@@ -601,11 +593,11 @@ def train(ctx) -> None:
         return engine(batch)
 
     ctx.progress(f"phase pacer: {len(graphs)} graphs, {p.orderings} orderings a step, {p.steps} steps")
-    engine = _with_beta2(ctx.engine(pacer, p.lr, arms=pacer.models), p.beta2)
+    engine = ctx.engine(pacer, p.lr, arms=pacer.models, betas=(0.9, p.beta2))
     ctx.fit("pacer", engine, pacer_step, pacer_batch, p.steps, state=p_state)
 
     notears = NotearsSet({n: Notears(g["d"], g["train"], p.notears_l1) for n, g in graphs.items()})
-    engine = _with_beta2(ctx.engine(notears, p.notears_lr, arms=notears.models), p.notears_beta2)
+    engine = ctx.engine(notears, p.notears_lr, arms=notears.models, betas=(0.9, p.notears_beta2))
     n_state = {"elapsed": torch.zeros(1), "marks": torch.zeros(p.notears_rounds * p.notears_steps, dtype=torch.float64)}
     done_rounds = [0]
     n_tick = _clock(n_state)

@@ -164,8 +164,9 @@ class ArmsAdamW(torch.optim.AdamW):
     the ranks first. DeepSpeed's ZeRO optimizer steps one group at a time, in the same order on every rank (ZeRO-3
     steps sub-groups, which split a group only beyond its `sub_group_size`; tests/test_arms.py checks ZeRO 0 and 1)."""
 
-    def __init__(self, groups: list[dict], lr: float, weight_decay: float, partitioned: bool):
-        super().__init__(groups, lr=lr, weight_decay=weight_decay)
+    def __init__(self, groups: list[dict], lr: float, weight_decay: float, partitioned: bool,
+                 betas: tuple[float, float] = (0.9, 0.999)):
+        super().__init__(groups, lr=lr, weight_decay=weight_decay, betas=betas)
         self.partitioned = partitioned
 
     @torch.no_grad()
@@ -285,7 +286,7 @@ class TrainContext:
     def engine(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0, *,
                arms: Mapping[str, torch.nn.Module | Iterable[torch.nn.Parameter]] | None = None,
                grad_clip: float | None = 1.0, steps: int | None = None, warmup: int = 0,
-               decay: str = "constant", ema: float | None = None) -> Any:
+               decay: str = "constant", ema: float | None = None, betas: tuple[float, float] = (0.9, 0.999)) -> Any:
         """Wrap a single-device module in a DeepSpeed engine (client AdamW: exact resume, no fused-op build).
 
         `arms`: name -> submodule (or parameters) of `model`, for a model that trains several networks side by side
@@ -300,7 +301,8 @@ class TrainContext:
         warm-up from 0; DeepSpeed warms up for at least 2 steps.
         `ema`: keep an exponential moving average of the weights with this decay (torch.optim.swa_utils; the decay
         warms up as in `ema_decay`, so the average forgets the initial weights), updated after every step by `fit`,
-        checkpointed with it and saved as `network.<phase>.ema.pt`; `ema_module(engine)` reads it."""
+        checkpointed with it and saved as `network.<phase>.ema.pt`; `ema_module(engine)` reads it.
+        `betas`: AdamW's (beta1, beta2), torch's defaults unless a paper needs another memory (pacer's beta2)."""
         import deepspeed
 
         p = self.params
@@ -334,7 +336,7 @@ class TrainContext:
             from torch.optim.swa_utils import AveragedModel
 
             averaged = AveragedModel(model, multi_avg_fn=ema_with_warmup(ema))
-        optimizer = ArmsAdamW(groups, lr=lr, weight_decay=weight_decay,
+        optimizer = ArmsAdamW(groups, lr=lr, weight_decay=weight_decay, betas=betas,
                               partitioned=p.zero_stage >= 1 and self.world_size > 1)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         if arms is not None:

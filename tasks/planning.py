@@ -325,7 +325,7 @@ class PlanContext:
 
     def engine(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0, *, grad_clip: float | None = None,
                arms: Any = None, steps: int | None = None, warmup: int = 0, decay: str = "constant",
-               ema: float | None = None) -> _Engine:
+               ema: float | None = None, betas: tuple[float, float] = (0.9, 0.999)) -> _Engine:
         """The training engine's signature (tasks.context.TrainContext.engine); clipping, arms and the schedule
         cost no memory, an EMA copy of the weights does (`Phase.ema`)."""
         engine = _Engine(model, lr, weight_decay)

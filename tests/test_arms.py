@@ -5,6 +5,7 @@ networks `fit` saves."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -177,3 +178,29 @@ def test_fit_logs_the_plateau_and_the_replicate_metrics_carry_it(tmp_path):
     assert measured == fit_metrics(tmp_path)
     assert measured.keys() == {"train/constructed/plateau", "timing/train/constructed/steps_per_s"}
     assert measured["train/constructed/plateau"] == logged and measured["timing/train/constructed/steps_per_s"] > 0
+
+
+def test_engine_betas_reach_every_arm_and_step_as_adamw(tmp_path):
+    """`ctx.engine(betas=...)` is AdamW's own (beta1, beta2) for every arm: 5 steps equal torch's AdamW bitwise."""
+    from tasks.context import TrainContext
+    from tasks.worker import _init_distributed
+
+    _init_distributed()
+    ctx = TrainContext(params=PaperParams(checkpoint_every=100), data_dir=tmp_path, out_dir=tmp_path)
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(3, 2), "b": nn.Linear(3, 2)})
+    reference = copy.deepcopy(model)
+    engine = ctx.engine(model, 1e-2, arms=dict(model.items()), grad_clip=None, betas=(0.8, 0.9))
+    assert [g["betas"] for g in engine.optimizer.param_groups] == [(0.8, 0.9), (0.8, 0.9)]
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0, betas=(0.8, 0.9))
+
+    def loss(net: nn.ModuleDict, step: int) -> torch.Tensor:
+        x = torch.full((4, 3), float(step + 1))
+        return sum(arm(x).square().mean() for arm in net.values())
+
+    ctx.fit("betas", engine, lambda engine, batch, step: (loss(engine.module, step), {}), lambda step: {}, 5)
+    for step in range(5):
+        plain.zero_grad()
+        loss(reference, step).backward()
+        plain.step()
+    assert all(torch.equal(x, y) for x, y in zip(model.parameters(), reference.parameters(), strict=True))
