@@ -194,3 +194,29 @@ def test_fused_attention_is_the_explicit_attention():
         fused, none = net(x, patterns=False)
     assert torch.allclose(explicit, fused, atol=1e-5) and none == [] and len(patterns) == p.layers
     assert torch.allclose(patterns[0].sum(-1), torch.ones(())) and patterns[0].triu(1).abs().max() == 0
+
+
+def test_with_ema_the_convergence_premise_and_the_evaluation_read_the_ema_weights(tmp_path):
+    """Issue 40: with `ema` set, the held-out KL half-way is the EMA copy's (not the raw weights', which half-way
+    carry the noise of a rate near its peak), and evaluation (its end-of-training KL, the premise's other end, and
+    every metric) reads the EMA copy of the final network."""
+    from tasks.context import EvalContext, TrainContext
+    from tasks.worker import _init_distributed
+
+    _init_distributed()
+    p = m.Params(S=3, k=2, T=16, t_min=8, n_fit=16, n_test=16, width=16, steps=8, warmup=2, decay="cosine",
+                 batch_size=8, lr=3e-2, grid=3, ema=0.5, checkpoint_every=100, seed=0)
+    m.prepare(p, tmp_path)
+    m.train(TrainContext(params=p, data_dir=tmp_path, out_dir=tmp_path))
+    ctx = EvalContext(p, tmp_path, tmp_path, tmp_path)
+    half = ctx.record("heldout_kl_half")
+    ema_half, raw_half = ctx.network("markov_half", ema=True), ctx.network("markov_half")
+    assert half == m.heldout_kl(ema_half, tmp_path, p)
+    assert all(not np.isclose(half[key], val, rtol=0, atol=1e-9)
+               for key, val in m.heldout_kl(raw_half, tmp_path, p).items())
+    out = m.evaluate(ctx)
+    ema_end, raw_end = (m.heldout_kl(ctx.network("markov", ema=e), tmp_path, p) for e in (True, False))
+    for setting in m.SETTINGS:
+        assert out[f"detail/convergence/heldout_kl_{setting}_end"] == ema_end[f"kl_{setting}"]
+        assert not np.isclose(ema_end[f"kl_{setting}"], raw_end[f"kl_{setting}"], rtol=0, atol=1e-9)
+    assert out["detail/convergence/kl_drop_last_half"] == max(half[f"kl_{s}"] - ema_end[f"kl_{s}"] for s in m.SETTINGS)
