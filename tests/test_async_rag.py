@@ -115,9 +115,13 @@ def test_wall_clock_serving_lower_bounds_and_counts(data):
     assert base["ttft_ms"] >= prefill + p.decode_ms and base["latency_ms"] >= prefill + p.decode_ms * steps
     docs = sum(len(d["docs"][f]) for f in server.search_top(server.text_vec(it["question"]), p.top_k))
     assert r["sync_single"]["ttft_ms"] >= p.embed_ms + l_r + p.prefill_ms * docs + prefill + p.decode_ms
-    assert r["sync_single"]["stall_ms"] >= l_r  # a blocking retrieval before the first token
-    # active RAG: the question retrieval, then one blocking retrieval at every (uncertain) token, each >= L_r
-    assert r["sync_active"]["retrievals"] == 1 + steps and r["sync_active"]["stall_ms"] >= l_r * (1 + steps)
+    # a stall is timed from the wait, which starts just after the retrieval's own clock did (the submit to the
+    # pool in between: microseconds, a fraction of a millisecond on a loaded machine), so each is >= L_r less that
+    gap = 1.0  # ms a retrieval
+    assert r["sync_single"]["stall_ms"] >= l_r - gap  # a blocking retrieval before the first token
+    # active RAG: the question retrieval, then one blocking retrieval at every (uncertain) token, each ~ L_r
+    assert r["sync_active"]["retrievals"] == 1 + steps
+    assert r["sync_active"]["stall_ms"] >= (l_r - gap) * (1 + steps)
     assert r["heuristic_async"]["retrievals"] == 1 and r["heuristic_async"]["stall_ms"] > 0  # stalls at token 1
     meth = r["method"]  # its monitor embeds the latest sentence on the decode path: charged embed_ms each
     assert meth["latency_ms"] >= prefill + p.decode_ms * steps + p.embed_ms * meth["embeds"] + p.head_ms * steps
