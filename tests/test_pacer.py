@@ -4,6 +4,7 @@ the Plackett-Luce model, the exact DAG search against brute force, SHD and the N
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import networkx as nx
 import numpy as np
@@ -228,22 +229,22 @@ def test_ordering_temperature_anneals_from_t0_to_one_after_the_warmup():
     assert all(a >= b for a, b in zip(temps, temps[1:], strict=False)) and 1 < temps[45] < 10
 
 
-def _search(g: dict, beta2: float, steps: int = 1200) -> tuple[float, int]:
-    """PACER alone (plain AdamW, the pipeline's per-arm clip 1, smoke's lr and schedule) on one graph: the score gap
-    per sample to the exact optimum, and the returned edges whose weight is ~0 (held only by a stalled logit)."""
+def _search(folder: Path, beta2: float) -> tuple[float, int]:
+    """PACER trained by the pipeline's own `train` (one engine, its per-arm clip, smoke's lr) on smoke's first d = 10
+    graph (seed 0), NOTEARS cut to one step: the score gap per sample to the exact optimum, and the returned edges
+    whose weight is ~0 (held only by a stalled logit)."""
+    from tasks.context import EvalContext, TrainContext
+    from tasks.worker import _init_distributed
+
+    _init_distributed()
+    p = pacer.Params(seed=0, graphs=[{"d": 10, "kind": "er"}], steps=1200, lr=0.1, beta2=beta2, notears_rounds=1,
+                     notears_steps=1, checkpoint_every=10_000)
+    folder.mkdir()
+    pacer.prepare(p, folder)
+    pacer.train(TrainContext(params=p, data_dir=folder, out_dir=folder))
+    g = pacer.load_graphs(folder)["er10"]
+    model = EvalContext(p, folder, folder, folder).network("pacer").models["er10"]
     penalty = pacer.edge_penalty(g)
-    p = pacer.Params(graphs=[{"d": g["d"], "kind": "er"}], steps=steps, lr=0.1)
-    torch.manual_seed(0)
-    model = pacer.Pacer(g["d"], g["train"], penalty)
-    opt = torch.optim.AdamW(model.parameters(), lr=p.lr, weight_decay=0.0, betas=(0.9, beta2))
-    for step in range(steps):
-        model.temperature = pacer.ordering_temperature(step, p)
-        u = torch.rand(16, g["d"], generator=torch.Generator().manual_seed(step)).clamp(1e-10, 1 - 1e-7)
-        loss, _ = model.loss(-torch.log(-torch.log(u)), step < p.warmup * steps)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
-        opt.step()
     adj = model.graph()
     stalled = int(((adj > 0) & (model.w.detach().abs().numpy() < 0.05)).sum())
     return (pacer.exact_best_dag(g, penalty)[1] - pacer.graph_score(adj, g, penalty)) / g["train"]["n"].sum(), stalled
@@ -253,12 +254,10 @@ def test_short_adam_memory_lets_the_penalty_remove_zero_weight_edges(tmp_path):
     """On smoke's first d = 10 graph (seed 0): with beta2 = 0.999 (Adam's default) the returned graph keeps edges
     whose weight went to zero, since their logit's penalty gradient is tiny next to the early gradients Adam's
     second moment remembers; with beta2 = 0.99 the penalty removes them and the gap to the exact optimum shrinks."""
-    pacer.prepare(pacer.Params(seed=0, graphs=[{"d": 10, "kind": "er"}]), tmp_path)
-    g = pacer.load_graphs(tmp_path)["er10"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny ops: extra threads only spin
     try:
-        (gap, stalled), (gap_default, stalled_default) = _search(g, 0.99), _search(g, 0.999)
+        (gap, stalled), (gap_default, stalled_default) = (_search(tmp_path / str(b), b) for b in (0.99, 0.999))
     finally:
         torch.set_num_threads(threads)
     assert stalled_default >= 2 and stalled < stalled_default
