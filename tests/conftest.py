@@ -59,3 +59,15 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+def finished_run(paper: str, tags: dict[str, str], start_ms: int, metrics: dict[str, float] | None = None) -> str:
+    """A finished run of `paper` in the tracking store with these tags (and metrics at step 0); its run id."""
+    from tasks import tracking
+
+    client = tracking.client()
+    run = client.create_run(tracking.experiment_id(paper), start_time=start_ms, tags=tags)
+    for key, value in (metrics or {}).items():
+        client.log_metric(run.info.run_id, key, value, step=0)
+    client.set_terminated(run.info.run_id, "FINISHED", end_time=start_ms + 1)
+    return run.info.run_id

@@ -9,14 +9,7 @@ import sys
 import time
 
 from tasks import embedded_store, tracking
-from tests.conftest import PROJECT
-
-
-def _finished(paper: str, tags: dict[str, str], start_ms: int) -> str:
-    client = tracking.client()
-    run = client.create_run(tracking.experiment_id(paper), start_time=start_ms, tags=tags)
-    client.set_terminated(run.info.run_id, "FINISHED", end_time=start_ms + 1)
-    return run.info.run_id
+from tests.conftest import PROJECT, finished_run
 
 
 def test_schema_revision_is_the_installed_mlflows(workspace):
@@ -28,13 +21,13 @@ def test_schema_revision_is_the_installed_mlflows(workspace):
 def test_finds_what_mlflow_finds_and_stamps_what_mlflow_reads(workspace):
     now = int(time.time() * 1000)
     key = "k" * 64
-    _finished("sei", {"paperline.cache_key": key, "claim.verdict": "holds"}, now - 5000)
-    newest = _finished("sei", {"paperline.cache_key": key, "claim.verdict": "inconclusive"}, now)
-    _finished("sei", {"paperline.cache_key": "other"}, now + 1000)
+    finished_run("sei", {"paperline.cache_key": key, "claim.verdict": "holds"}, now - 5000)
+    newest = finished_run("sei", {"paperline.cache_key": key, "claim.verdict": "inconclusive"}, now)
+    finished_run("sei", {"paperline.cache_key": "other"}, now + 1000)
     running = tracking.client().create_run(tracking.experiment_id("sei"), start_time=now + 2000,
                                            tags={"paperline.cache_key": key})  # not finished: never a cache hit
     assert running.info.status == "RUNNING"
-    _finished("qubo_relax", {"paperline.cache_key": key}, now + 3000)  # another paper's experiment
+    finished_run("qubo_relax", {"paperline.cache_key": key}, now + 3000)  # another paper's experiment
 
     path = embedded_store.usable()
     assert path == workspace / "mlflow.db"

@@ -10,16 +10,7 @@ import time
 
 from flows import listing
 from models import registry
-from tasks import tracking
-from tests.conftest import PROJECT
-
-
-def _finished(paper: str, tags: dict[str, str], start_ms: int, metrics: dict[str, float] | None = None) -> None:
-    client = tracking.client()
-    run = client.create_run(tracking.experiment_id(paper), start_time=start_ms, tags=tags)
-    for key, value in (metrics or {}).items():
-        client.log_metric(run.info.run_id, key, value, step=0)
-    client.set_terminated(run.info.run_id, "FINISHED", end_time=start_ms + 1)
+from tests.conftest import PROJECT, finished_run
 
 
 def test_titles_from_source_match_the_registry():
@@ -29,11 +20,11 @@ def test_titles_from_source_match_the_registry():
 
 def test_verdicts_new_tag_first_then_old(workspace):
     now = int(time.time() * 1000)
-    _finished("sei", {"claim.holds": "true", "paperline.profile": "smoke"}, now - 5000)
-    _finished("sei", {"claim.verdict": "inconclusive", "paperline.profile": "smoke"}, now,
+    finished_run("sei", {"claim.holds": "true", "paperline.profile": "smoke"}, now - 5000)
+    finished_run("sei", {"claim.verdict": "inconclusive", "paperline.profile": "smoke"}, now,
               {"cpu/replicate_mean_s": 61.25})  # the latest wins
-    _finished("qubo_relax", {"claim.holds": "false", "paperline.profile": "test"}, now)  # before claim.verdict
-    _finished("pacer", {"paperline.profile": "smoke"}, now)  # no verdict: not counted
+    finished_run("qubo_relax", {"claim.holds": "false", "paperline.profile": "test"}, now)  # before claim.verdict
+    finished_run("pacer", {"paperline.profile": "smoke"}, now)  # no verdict: not counted
     rows = {r.paper: r for r in listing.listing()}
     assert (rows["sei"].verdict, rows["sei"].profile, rows["sei"].cpu_s) == ("inconclusive", "smoke", 61.25)
     assert (rows["qubo_relax"].verdict, rows["qubo_relax"].profile, rows["qubo_relax"].cpu_s) == (
