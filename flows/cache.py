@@ -43,16 +43,9 @@ class PipelineResult:
         premises = tags.get("paperline.premises_only") == "true"
         prefix = "premises" if premises else "claim"
         return cls(paper, profile, run_id, True, tags.get("premises.verdict", "") if premises else
-                   verdict_of(tags), tags.get(f"{prefix}.text", ""), tags.get(f"{prefix}.numbers", ""),
+                   tracking.verdict_of(tags), tags.get(f"{prefix}.text", ""), tags.get(f"{prefix}.numbers", ""),
                    tags.get(f"{prefix}.reason", ""), int(tags.get(f"{prefix}.replicates", "1") or 1), data_hash,
                    time.perf_counter() - start, premises)
-
-
-def verdict_of(tags: dict[str, str]) -> str:
-    """A run's verdict from its tags; runs from before three verdicts recorded only `claim.holds`."""
-    if tags.get("claim.verdict"):
-        return tags["claim.verdict"]
-    return {"true": "holds", "false": "does not hold"}.get(tags.get("claim.holds", ""), "")
 
 
 def _find_cached(paper: str, key: str) -> tuple[str, dict[str, str]] | None:

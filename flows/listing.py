@@ -75,13 +75,6 @@ def _write_atomically(path: Path, text: str) -> None:
         pass
 
 
-def verdict_of(tags: dict[str, str]) -> str:
-    if tags.get("claim.verdict"):
-        return tags["claim.verdict"]
-    holds = tags.get("claim.holds")
-    return "-" if holds is None else ("holds" if holds == "true" else "does not hold")
-
-
 Latest = tuple[str, str, float | None]  # verdict, profile, CPU-s a replicate
 
 
@@ -108,7 +101,7 @@ _CPU = "SELECT run_uuid, value FROM latest_metrics WHERE key = 'cpu/replicate_me
 
 def _from_sqlite(path: Path) -> dict[str, Latest]:
     try:
-        with sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10) as db:
+        with embedded_store.connect(path) as db:
             rows = db.execute(_LATEST).fetchall()
             runs: dict[str, tuple[str, dict[str, str]]] = {}
             order: list[str] = []
@@ -120,13 +113,13 @@ def _from_sqlite(path: Path) -> dict[str, Latest]:
             chosen: dict[str, str] = {}  # paper -> its latest run with a verdict
             for run_id in order:  # newest first
                 paper, tags = runs[run_id]
-                if paper not in chosen and verdict_of(tags) != "-":
+                if paper not in chosen and tracking.verdict_of(tags):
                     chosen[paper] = run_id
             ids = list(chosen.values())
             cpu = dict(db.execute(_CPU.format(",".join("?" * len(ids))), ids).fetchall()) if ids else {}
     except sqlite3.DatabaseError:  # unreadable after all (e.g. changed under us): ask MLflow
         return _from_client()
-    return {paper: (verdict_of(runs[run_id][1]), runs[run_id][1].get("paperline.profile", ""), cpu.get(run_id))
+    return {paper: (tracking.verdict_of(runs[run_id][1]), runs[run_id][1].get("paperline.profile", ""), cpu.get(run_id))
             for paper, run_id in chosen.items()}
 
 
@@ -135,8 +128,8 @@ def _from_client() -> dict[str, Latest]:
     for exp in c.search_experiments(filter_string="name LIKE 'paperline/%'"):
         for run in c.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'",
                                  order_by=["attributes.start_time DESC"], max_results=20):
-            verdict = verdict_of(run.data.tags)
-            if verdict != "-":
+            verdict = tracking.verdict_of(run.data.tags)
+            if verdict:
                 out[exp.name.removeprefix("paperline/")] = (verdict, run.data.tags.get("paperline.profile", ""),
                                                             run.data.metrics.get("cpu/replicate_mean_s"))
                 break

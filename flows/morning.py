@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flows import lifecycle
-from flows.cache import verdict_of
 from flows.report import ui_url
 from models import registry
 from tasks import settings, tracking
@@ -69,7 +68,7 @@ class Line:
 
 
 def _verdict(run) -> str:
-    return verdict_of(run.data.tags)
+    return tracking.verdict_of(run.data.tags)
 
 
 def paper_line(paper_id: str, since_ms: int, profile: str) -> Line:

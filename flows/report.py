@@ -11,7 +11,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from flows.cache import verdict_of
 from models import registry
 from tasks import settings, tracking
 
@@ -62,7 +61,7 @@ def scoreboard(profile: str | None = "smoke", plots_dir: Path | None = None) -> 
             rows.append(Row(pid, paper.title, paper.claim.text(), "", NOT_RUN, "", "", profile or ""))
             continue
         t = run.data.tags
-        rows.append(Row(pid, paper.title, t.get("claim.text", ""), t.get("claim.numbers", ""), verdict_of(t),
+        rows.append(Row(pid, paper.title, t.get("claim.text", ""), t.get("claim.numbers", ""), tracking.verdict_of(t),
                         t.get("paperline.data_hash", ""), run.info.run_id, t.get("paperline.profile", ""),
                         run.info.experiment_id, t.get("claim.replicates", ""), t.get("claim.reason", ""),
                         _forest(run.info.run_id, plots_dir / f"{pid}-forest.png"),

@@ -29,7 +29,7 @@ class StoredRun:
 
 
 @contextmanager
-def _connect(path: Path, writable: bool = False) -> Iterator[sqlite3.Connection]:
+def connect(path: Path, writable: bool = False) -> Iterator[sqlite3.Connection]:
     db = sqlite3.connect(f"file:{path}?mode={'rw' if writable else 'ro'}", uri=True, timeout=30)
     try:
         with db:  # commits on success, rolls back on error
@@ -48,7 +48,7 @@ def usable() -> Path | None:
     if not path.is_file():
         return None
     try:
-        with _connect(path) as db:
+        with connect(path) as db:
             revision = db.execute("SELECT version_num FROM alembic_version").fetchone()
     except sqlite3.DatabaseError:  # not an MLflow store, or one without alembic's table
         return None
@@ -67,7 +67,7 @@ ORDER BY r.start_time DESC, r.run_uuid LIMIT 1
 def find_cached(path: Path, experiment: str, key: str) -> StoredRun | None:
     """The newest finished, not deleted run of `experiment` whose tag `paperline.cache_key` is `key`, with all
     its tags: what `tracking.find_cached` returns through MLflow."""
-    with _connect(path) as db:
+    with connect(path) as db:
         row = db.execute(_CACHED, (experiment, WORKSPACE, key)).fetchone()
         if row is None:
             return None
@@ -77,5 +77,5 @@ def find_cached(path: Path, experiment: str, key: str) -> StoredRun | None:
 
 def set_tag(path: Path, run_id: str, key: str, value: str) -> None:
     """Set one tag of an existing run, as `MlflowClient.set_tag` does on this schema."""
-    with _connect(path, writable=True) as db:
+    with connect(path, writable=True) as db:
         db.execute("INSERT OR REPLACE INTO tags (key, value, run_uuid) VALUES (?, ?, ?)", (key, value, run_id))

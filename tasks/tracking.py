@@ -82,6 +82,14 @@ def check_reachable() -> None:
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
+def verdict_of(tags: Mapping[str, str]) -> str:
+    """A run's verdict from its tags ("" when it has none); runs from before three verdicts recorded only
+    `claim.holds`."""
+    if tags.get("claim.verdict"):
+        return tags["claim.verdict"]
+    return {"true": "holds", "false": "does not hold"}.get(tags.get("claim.holds", ""), "")
+
+
 def ui_link(base: str, exp_id: str, run_id: str | None = None, tab: str = "") -> str:
     """A link into the MLflow UI that opens in the model-training view. MLflow 3.17's UI picks its view from the
     link (`workflowType`) or the browser's last choice, GenAI by default; the experiment tag above is what MLflow
