@@ -172,7 +172,9 @@ class ArmsAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
-            if group.get("max_norm"):
+            if group.get("max_norm") and group.get("norm") == "deepspeed":
+                _clip_as_deepspeed(group["params"], group["max_norm"])
+            elif group.get("max_norm"):
                 grads = [q.grad for q in group["params"] if q.grad is not None]
                 norm = torch.nn.utils.get_total_norm(grads)
                 if self.partitioned:
@@ -181,6 +183,28 @@ class ArmsAdamW(torch.optim.AdamW):
                     norm = squared.sqrt()
                 torch.nn.utils.clip_grads_with_norm_(group["params"], group["max_norm"], norm)
         return super().step(closure)
+
+
+def _clip_in_optimizer(has_arms: bool, world_size: int, zero_stage: int) -> bool:
+    """Whether ArmsAdamW clips (DeepSpeed's `gradient_clipping` is then 0): always for arms; for the whole model on
+    one rank without ZeRO, where it clips as DeepSpeed would (`_clip_as_deepspeed`) minus the collective. Elsewhere
+    DeepSpeed's clip stays: over several ranks its all-reduce is the arithmetic, and ZeRO clips its partitions."""
+    return has_arms or (world_size == 1 and zero_stage == 0)
+
+
+def _clip_as_deepspeed(params: list[torch.nn.Parameter], max_norm: float) -> None:
+    """DeepSpeed's global clip (deepspeed.runtime.utils.clip_grad_norm_, norm 2) on one rank, in its arithmetic, so
+    the weights are bitwise what it gave, without its all-reduce of the norm over the one-process group: a gloo
+    collective every step, a large share of a small network's step (benchmarks/step_cost.py)."""
+    grads = [q.grad for q in params if q.grad is not None]
+    if not grads:
+        return
+    total = torch.stack([g.detach().float().norm(2.0) for g in grads]).pow(2.0).sum().float().pow(0.5)
+    total = total * 1.0 / 1.0  # DeepSpeed's average over the data-parallel ranks, here one
+    one, limit = (torch.tensor([x], device=total.device) for x in (1.0, float(max_norm)))
+    coef = torch.min(one, limit / (total + 1e-6))
+    for g in grads:
+        g.mul_(coef)
 
 
 @dataclass
@@ -319,6 +343,9 @@ class TrainContext:
         clip = float(grad_clip or 0.0)
         model = model.to(self.device)
         groups = _arm_groups(model, arms, clip)
+        clip_in_optimizer = _clip_in_optimizer(arms is not None, self.world_size, p.zero_stage)
+        if arms is None and clip_in_optimizer:
+            groups[0].update(max_norm=clip, norm="deepspeed")
         config = {
             "train_micro_batch_size_per_gpu": 1,  # we feed batches ourselves; DeepSpeed only needs a number
             "gradient_accumulation_steps": 1,
@@ -326,7 +353,7 @@ class TrainContext:
             "zero_allow_untested_optimizer": True,
             "bf16": {"enabled": bool(p.bf16 and self.device.type == "cuda")},
             "steps_per_print": 10**9,
-            "gradient_clipping": 0.0 if arms is not None else clip,
+            "gradient_clipping": 0.0 if clip_in_optimizer else clip,
         }
         scheduler = _scheduler_config(lr, steps, warmup, decay)
         if scheduler:

@@ -11,6 +11,7 @@ import math
 import os
 import socket
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -74,6 +75,8 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
             train_phase(root / f"z{zero}-{label}", zero, names, rank=rank, world_size=world, **SCHEDULE)
     if world == 1:  # the controls: one engine clipped as a whole; the arm unclipped; the schedule's rates
         train_phase(root / "together", 0, ("a", "b"), arms=False, **SCHEDULE)
+        with mock.patch("tasks.context._clip_in_optimizer", lambda has_arms, world, zero: has_arms):
+            train_phase(root / "together_deepspeed_clip", 0, ("a", "b"), arms=False, **SCHEDULE)  # as before
         train_phase(root / "unclipped", 0, ("a",), grad_clip=None, **SCHEDULE)
         lrs: list[float] = []
         train_phase(root / "lrs", 0, ("a",), lrs=lrs, **SCHEDULE)
@@ -119,6 +122,8 @@ def test_an_arm_beside_a_1000x_arm_trains_bitwise_as_alone(world, tmp_path):
             ctx.network("other")
         alone = _arm(tmp_path / "z0-alone")
         assert not _equal(_arm(tmp_path / "together"), alone), "a global clip couples the arms (the control)"
+        for name in ("a", "b"):  # one rank, no ZeRO: the optimizer clips the whole model bitwise as DeepSpeed did
+            assert _equal(_arm(tmp_path / "together", name), _arm(tmp_path / "together_deepspeed_clip", name))
         assert not _equal(_arm(tmp_path / "unclipped"), alone), "the arm's own clip acts"
         lrs = json.loads((tmp_path / "lrs.json").read_text())
         peak = 1e-2

@@ -88,9 +88,11 @@ def test_chatter_goes_to_the_log_file_warnings_to_the_console(monkeypatch, tmp_p
 
 
 def test_engine_clips_gradients_as_asked(tmp_path):
-    """`grad_clip` reaches DeepSpeed's config: 1.0 (its own default, every run so far) unless a paper says otherwise
-    (lock-step arms in one engine share the clip: motionmar turns it off). In a child process: DeepSpeed's
-    communication state, once set up, would outlive the test in this one."""
+    """`grad_clip` is the clip of the engine's network: 1.0 (DeepSpeed's own default, every run so far) unless a
+    paper says otherwise (lock-step arms in one engine share the clip: motionmar turns it off). On one rank without
+    ZeRO the optimizer applies it (DeepSpeed's `gradient_clipping` is 0: its clip would all-reduce the norm every
+    step); with ZeRO, DeepSpeed's config carries it. In a child process: DeepSpeed's communication state, once set
+    up, would outlive the test in this one."""
     import os
     import socket
     import subprocess
@@ -100,8 +102,13 @@ def test_engine_clips_gradients_as_asked(tmp_path):
         "import torch\n"
         "from models.contract import PaperParams\n"
         "from tasks.context import TrainContext\n"
-        f"ctx = TrainContext(params=PaperParams(), data_dir={str(tmp_path)!r}, out_dir={str(tmp_path)!r})\n"
-        "print([ctx.engine(torch.nn.Linear(2, 2), 1e-3, **kw).gradient_clipping() for kw in ({}, {'grad_clip': 0})])\n"
+        "def clips(zero, **kw):\n"
+        f"    ctx = TrainContext(params=PaperParams(zero_stage=zero), data_dir={str(tmp_path)!r}, "
+        f"out_dir={str(tmp_path)!r})\n"
+        "    engine = ctx.engine(torch.nn.Linear(2, 2), 1e-3, **kw)\n"
+        "    groups = engine.optimizer.param_groups if zero == 0 else engine.optimizer.optimizer.param_groups\n"
+        "    return engine.gradient_clipping(), [g['max_norm'] for g in groups]\n"
+        "print([clips(0), clips(0, grad_clip=0), clips(1)])\n"
     )
     with socket.socket() as free:  # a port nothing else holds (another test's rendezvous may hold a fixed one)
         free.bind(("127.0.0.1", 0))
@@ -110,4 +117,5 @@ def test_engine_clips_gradients_as_asked(tmp_path):
            "WORLD_SIZE": "1", "DS_ACCELERATOR": "cpu"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                          cwd=settings.root())
-    assert out.stdout.strip().splitlines()[-1] == "[1.0, 0.0]", out.stderr[-2000:]
+    # (DeepSpeed's clip, the optimizer's per group): ZeRO 0 default, ZeRO 0 no clip, ZeRO 1 default
+    assert out.stdout.strip().splitlines()[-1] == "[(0.0, [1.0]), (0.0, [0.0]), (1.0, [0.0])]", out.stderr[-2000:]

@@ -150,8 +150,8 @@ def test_full_disk_fails_clearly_and_marks_the_run_failed(workspace, prefect_har
         result = CliRunner().invoke(app, ["run", "sei", "--profile", "test"])
         assert result.exit_code == 1
         assert "error: sei failed:" in result.output and "No space left on device" in result.output
-        runs = tracking.client().search_runs([tracking.experiment_id("sei")])
-        assert len(runs) == 2 and {r.info.status for r in runs} == {"FAILED"}  # the parent and its replicate
+        recorded = tracking.client().search_runs([tracking.experiment_id("sei")])
+        assert len(recorded) == 2 and {r.info.status for r in recorded} == {"FAILED"}  # the parent and its replicate
     finally:
         subprocess.run(["umount", "-l", str(runs)])
 
