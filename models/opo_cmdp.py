@@ -28,7 +28,14 @@ What it implements (function names in brackets):
   greedy needs no exploration and optimism only pays for its bonus: such a world cannot test the paper. The smoke
   world is a combination lock (trap > 0) [make_classes]: state 0 is kept only by one lock action per layer, the
   last layer is bad everywhere except the true lock action, and every wrong member equals the truth except there.
-  A learner that trusts a wrong member never opens the lock, so it never sees the data that refutes that member;
+  A learner that trusts a wrong member never opens the lock, so it never sees the data that refutes that member.
+  The lock's path costs a toll in every member (`toll` on its actions' loss before the last layer) and pays only
+  in the truth's last layer: a wrong member's model ranks the lock below the other actions of state 0, so a plug-in
+  policy moves off the lock's path within its first episodes. Without it the wrong model is indifferent to the path
+  (the early layers' random losses decide), the plug-in's carried policy keeps walking it and plays the last lock
+  action by chance. Before any data at that action every member fits equally and ERM's tie goes to member 0, so
+  with probability 1/|F| a plug-in starts from the truth by its tie rule, not by exploring; the smoke |F| keeps
+  that share small;
 - context, not parts: slope >= 0.3 (a slope below it is inside an O(sqrt T) bound too), greedy's slope, and the
   speed comparison (against our O(T) simplification of the layerwise baseline, not the published algorithm). The
   speed comparison is wall clock, so it is `timed`: each run's T episodes are timed in 5 equal consecutive blocks
@@ -83,6 +90,9 @@ class Params(PaperParams):
                         "action's true loss (intercept -trap); every wrong member equals the truth except there "
                         "(intercept +trap): the wrong members agree with the truth wherever a learner that trusts "
                         "them would go.")
+    toll: float = Field(0.0, ge=0, description="Trap worlds: every member adds `toll` to the intercept of the lock "
+                        "action's loss at the layers before the last, so the lock's path costs something in every "
+                        "member and pays only in the truth's last layer.")
     seeds: int = Field(2, ge=1, description="Independent runs (seed, seed+1, ...).")
 
 
@@ -99,6 +109,7 @@ def make_classes(p: Params, n_s: int, n_a: int, rng: np.random.Generator) -> tup
         w[:] = w[f_true]  # wrong members: the truth, except the last layer's lock action, which they call bad
         w[:, -1, ..., -1] = p.trap  # the last layer is bad everywhere, in every member ...
         w[f_true, -1, 0, lock[-1], -1] = -p.trap  # ... but the truth's lock action
+        w[:, np.arange(p.horizon - 1), 0, lock[:-1], -1] += p.toll  # the path to it costs a toll, in every member
     return w, u, f_true, p_true
 
 
@@ -407,6 +418,7 @@ PAPER = Paper(
         Compare("method/episode_ms", "<=", "baseline/layerwise/episode_ms", timed=True),  # vs our O(T) layerwise
     ), summary="OPO's regret below every baseline, at most sqrt-T-like slope, mild |S||A| dependence",
         note="smoke world: a combination lock (trap > 0) in which the wrong members agree with the truth except at "
-             "the last lock action; layerwise is our simplification, so its speed comparison is context"),
+             "the last lock action and the lock's path costs a toll; layerwise is our simplification, so its speed "
+             "comparison is context"),
     learns=False,
 )

@@ -143,18 +143,42 @@ def test_trap_world_wrong_members_differ_from_the_truth_only_at_the_last_lock_ac
     _, kernel = o.class_values(w, u, c)
     stay = kernel[:, :, 0, :, 0]  # (|P|, H, A): probability of staying in state 0
     assert (stay.max(-1) > 0.99).all() and (np.sort(stay, -1)[..., -2] < 0.01).all()  # one lock action a layer
+    tolled, _, _, _ = o.make_classes(p.model_copy(update={"toll": 0.5}), 4, 3, np.random.default_rng(8))
+    added = tolled[..., -1] - w[..., -1]  # (|F|, H, S, A): the toll on the intercept, the same in every member
+    locks = kernel[0, :, 0, :, 0].argmax(-1)  # (H,): each layer's lock action
+    assert (added[:, np.arange(2), 0, locks[:2]] == 0.5).all() and np.count_nonzero(added) == 5 * 2
+    assert (tolled[..., :-1] == w[..., :-1]).all()
 
 
-def test_in_the_trap_world_greedy_misses_the_truth_and_opo_finds_it():
-    """The combination lock: greedy trusts a wrong member (ERM ties go to member 0), never opens the lock and
-    never identifies the truth (with A = 2 early near-uniform play opens it in some worlds; not in this one);
-    OPO's bonus at the lock action sends it there and it identifies the truth."""
-    p = o.Params(d=3, horizon=3, grid=[(4, 2)], n_f=6, n_p=4, episodes=64, trap=3.0, margin=0.5)
-    rng = np.random.default_rng(12)  # a world whose truth is not member 0 and whose lock uniform play missed
-    w, u, f_true, p_true = o.make_classes(p, 4, 2, rng)
-    assert f_true != 0
-    contexts = rng.normal(0, 1, (64, 3)) / np.sqrt(3)
+def _lock_openings(p, algo, world_seed, monkeypatch):
+    """One run in a seeded tolled-lock world (|S|, |A| = 5, 3): the expected number of episodes whose policy opens
+    the lock (walks the lock's path and plays its last action: the only data that tells the truth from the wrong
+    members), and whether the run's last ERMs are the truth."""
+    rng = np.random.default_rng(world_seed)
+    w, u, f_true, p_true = o.make_classes(p, 5, 3, rng)
+    contexts = rng.normal(0, 1, (p.episodes, p.d)) / np.sqrt(p.d)
     contexts[:, -1] = 1.0
-    res = {a: o.run(p, a, w, u, f_true, p_true, contexts, np.random.default_rng(10)) for a in ("greedy", "opo")}
-    assert res["greedy"]["identified"] == 0.0 and res["opo"]["identified"] == 1.0
-    assert res["opo"]["regret"][32:].sum() < res["greedy"]["regret"][32:].sum()
+    lock = o.class_values(w, u, contexts[0])[1][p_true, :, 0, :, 0].argmax(-1)  # (H,): the action that stays in 0
+    policies, value = [], o.policy_value
+    monkeypatch.setattr(o, "policy_value", lambda pi, loss, kernel: policies.append(pi) or value(pi, loss, kernel))
+    res = o.run(p, algo, w, u, f_true, p_true, contexts, np.random.default_rng(world_seed + 100))
+    monkeypatch.undo()
+    opens = sum(np.prod(pi[np.arange(p.horizon), 0, lock]) for pi in policies)
+    return float(opens), res["identified"]
+
+
+def test_the_toll_moves_greedy_off_the_lock_and_opo_still_opens_it(monkeypatch):
+    """The smoke world's mechanism, in 8 seeded worlds of its shape (H = 4, |A| = 3, its margin, trap and toll,
+    100 episodes). With the toll every wrong member ranks the lock's path below the other actions, so greedy's
+    carried policy leaves it within its first episodes: it opens the lock about as often as its first near-uniform
+    episodes do by chance (1/81 each) and never identifies the truth. Without the toll the wrong member is
+    indifferent to the path and greedy keeps walking it. OPO's bonus at the unseen lock action sends it there in
+    the tolled worlds, and it identifies the truth."""
+    kw = dict(d=4, horizon=4, grid=[(5, 3)], n_f=8, n_p=4, episodes=100, trap=3.0, margin=0.25)
+    tolled, free = o.Params(**kw, toll=0.5), o.Params(**kw, toll=0.0)
+    greedy = [_lock_openings(tolled, "greedy", s, monkeypatch) for s in range(8)]
+    assert all(opens < 0.1 and found == 0.0 for opens, found in greedy)
+    untolled = [_lock_openings(free, "greedy", s, monkeypatch)[0] for s in range(8)]
+    assert np.mean(untolled) > 5 * np.mean([opens for opens, _ in greedy]) and max(untolled) > 1
+    opo = [_lock_openings(tolled, "opo", s, monkeypatch) for s in range(8)]
+    assert all(opens > 10 and found == 1.0 for opens, found in opo)
