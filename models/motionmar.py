@@ -39,6 +39,7 @@ Deviations from the paper (choices the abstract left open):
 - Training: AdamW per phase (all networks of a phase in one engine, so every arm gets the same steps), the learning
   rate decaying by a half cosine to `lr_final` x lr; gradient clipping is explicit (`grad_clip`, none by default,
   each seed's networks an arm clipped on its own) [cosine_lr].
+- Convolutions of the encoders (VQ-VAE and SAC) and of the VQ-VAE decoder start from He-normal weights [he_init].
 - The direct regressor's width is matched by counting its parameters [direct_params], not by building candidates.
 - Seeds: `n_seeds` independent copies of every network train in lock-step in the same engines; metrics are means.
 """
@@ -321,11 +322,23 @@ class Quantizer(nn.Module):
                 dist.broadcast(buf, 0)
 
 
+def he_init(net: nn.Module) -> nn.Module:
+    """He (Kaiming) normal weights and zero biases for every convolution of `net`. Under PyTorch's default conv
+    init each layer divides the signal's variance by three or more, so through the seven unnormalised convolutions
+    of an encoder (fourteen with the decoder) the output is nearly constant and the first layers' gradients
+    vanish: the VQ-VAE then sits on a plateau (predicting the mean motion) for its first few hundred steps."""
+    for m in net.modules():
+        if isinstance(m, nn.Conv1d | nn.ConvTranspose1d):
+            nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+            nn.init.zeros_(m.bias)
+    return net
+
+
 def conv_encoder(cin: int, w: int, cout: int, halvings: int) -> nn.Sequential:
     layers: list[nn.Module] = [nn.Conv1d(cin, w, 3, padding=1), nn.GELU()]
     for _ in range(halvings):
         layers += [nn.Conv1d(w, w, 4, 2, 1), nn.GELU(), nn.Conv1d(w, w, 3, padding=1), nn.GELU()]
-    return nn.Sequential(*layers, nn.Conv1d(w, cout, 3, padding=1))
+    return he_init(nn.Sequential(*layers, nn.Conv1d(w, cout, 3, padding=1)))
 
 
 class VQVAE(nn.Module):
@@ -337,7 +350,7 @@ class VQVAE(nn.Module):
         for _ in range(2):
             up += [nn.ConvTranspose1d(p.width, p.width, 4, 2, 1), nn.GELU(), nn.Conv1d(p.width, p.width, 3, padding=1),
                    nn.GELU()]
-        self.dec = nn.Sequential(*up, nn.Conv1d(p.width, feat, 3, padding=1))
+        self.dec = he_init(nn.Sequential(*up, nn.Conv1d(p.width, feat, 3, padding=1)))
         weight = torch.ones(feat)
         weight[:3] = p.root_weight
         self.register_buffer("weight", weight * feat / weight.sum(), persistent=False)  # mean 1
