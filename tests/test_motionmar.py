@@ -247,3 +247,33 @@ def test_conv_stacks_start_with_he_init_so_the_first_layers_get_gradient():
         (vq.decode(vq.encode(x)) - x).abs().mean().backward()
         assert float(vq.enc[0].weight.grad.norm() / vq.dec[-1].weight.grad.norm()) < 1e-2 * ratio
 
+
+def test_direct_regression_trains_as_many_steps_as_motionmars_tracker_reading_phases(tmp_path):
+    """Fair arms: direct regression trains in its own phase for ar + mrn steps (MAN+SAC's and MRN's) on the same
+    batches, and the AR phase trains only MAN+SAC and the flat AR."""
+    from tasks.context import TrainContext
+    from tasks.worker import _init_distributed
+
+    _init_distributed()
+    p = tiny(n_sequences=12, batch_size=4, vq_steps=3, ar_steps=2, mrn_steps=1, checkpoint_every=100)
+    mm.prepare(p, tmp_path)
+    phases: dict[str, tuple[int, set[str], list[int]]] = {}
+
+    class Recording(TrainContext):  # each phase's steps, the networks it trains and the batches it draws
+        def fit(self, name, engine, step_fn, batch_fn, num_steps, **kw):
+            nets = {n for part in engine.module.parts for n in part}
+            draws: list[int] = []
+
+            def drawn(step):
+                draws.append(step)
+                return batch_fn(step)
+
+            before = [q.detach().clone() for q in engine.module.parameters()]
+            super().fit(name, engine, step_fn, drawn, num_steps, **kw)
+            moved = any(not torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True))
+            phases[name] = (num_steps, nets, draws) if moved else (0, nets, draws)
+
+    mm.train(Recording(params=p, data_dir=tmp_path, out_dir=tmp_path))
+    assert phases["ar"][:2] == (2, {"man", "flat_ar"})
+    assert phases["direct"][:2] == (2 + 1, {"direct"}) and phases["mrn"][:2] == (1, {"mrn"})
+    assert phases["direct"][2] == list(range(3))  # the same batches as the method's phases (batch k at step k)
