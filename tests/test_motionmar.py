@@ -222,3 +222,58 @@ def test_cosine_lr_decays_to_its_final_fraction():
     assert np.isclose(lrs[0], 2e-3) and np.isclose(lrs[-1], 2e-4)
     assert all(a >= b for a, b in zip(lrs[:-1], lrs[1:], strict=True))
     assert mm.cosine_lr(1e-3, 1.0, 7, 10) == 1e-3
+
+
+def test_conv_stacks_start_with_he_init_so_the_first_layers_get_gradient():
+    """Under PyTorch's default conv init the VQ-VAE's 14 unnormalised convolutions shrink the signal to a near
+    constant and the encoder's first layer gets ~1e-4 of the last layer's gradient (the plateau the smoke VQ-VAEs
+    sat on); he_init keeps the latents and SAC's conditioning at unit scale and the gradient within 10x."""
+    from torch import nn
+
+    p = mm.Params(window=32, width=64, code_dim=64, codebook=256)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        vq, sac = mm.VQVAE(48, p, p.scales), mm.SAC(18, 64, p.scales)
+        x = torch.randn(16, 32, 48)
+        z = vq.encode(x)  # (B, T/4, D)
+        (vq.decode(z) - x).abs().mean().backward()
+        ratio = float(vq.enc[0].weight.grad.norm() / vq.dec[-1].weight.grad.norm())
+        cond = sac(torch.randn(16, 32, 18)).detach()  # (B, N, w)
+        assert float(z.detach().std()) > 0.3 and float(cond.std()) > 0.3 and ratio > 0.1
+        for m in vq.modules():  # PyTorch's default init, for contrast: the first layer's gradient vanishes
+            if isinstance(m, nn.Conv1d | nn.ConvTranspose1d):
+                m.reset_parameters()
+        vq.zero_grad()
+        (vq.decode(vq.encode(x)) - x).abs().mean().backward()
+        assert float(vq.enc[0].weight.grad.norm() / vq.dec[-1].weight.grad.norm()) < 1e-2 * ratio
+
+
+def test_direct_regression_trains_as_many_steps_as_motionmars_tracker_reading_phases(tmp_path):
+    """Fair arms: direct regression trains in its own phase for ar + mrn steps (MAN+SAC's and MRN's) on the same
+    batches, and the AR phase trains only MAN+SAC and the flat AR."""
+    from tasks.context import TrainContext
+    from tasks.worker import _init_distributed
+
+    _init_distributed()
+    p = tiny(n_sequences=12, batch_size=4, vq_steps=3, ar_steps=2, mrn_steps=1, checkpoint_every=100)
+    mm.prepare(p, tmp_path)
+    phases: dict[str, tuple[int, set[str], list[int]]] = {}
+
+    class Recording(TrainContext):  # each phase's steps, the networks it trains and the batches it draws
+        def fit(self, name, engine, step_fn, batch_fn, num_steps, **kw):
+            nets = {n for part in engine.module.parts for n in part}
+            draws: list[int] = []
+
+            def drawn(step):
+                draws.append(step)
+                return batch_fn(step)
+
+            before = [q.detach().clone() for q in engine.module.parameters()]
+            super().fit(name, engine, step_fn, drawn, num_steps, **kw)
+            moved = any(not torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True))
+            phases[name] = (num_steps, nets, draws) if moved else (0, nets, draws)
+
+    mm.train(Recording(params=p, data_dir=tmp_path, out_dir=tmp_path))
+    assert phases["ar"][:2] == (2, {"man", "flat_ar"})
+    assert phases["direct"][:2] == (2 + 1, {"direct"}) and phases["mrn"][:2] == (1, {"mrn"})
+    assert phases["direct"][2] == list(range(3))  # the same batches as the method's phases (batch k at step k)
