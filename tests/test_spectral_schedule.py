@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from models import spectral_schedule as ss
+from models.common.diffusion import frechet_distance
 
 
 def test_white_noise_has_flat_normalised_power_sigma_squared():
@@ -141,3 +142,51 @@ def test_digits_control_is_upsampled_scaled_and_not_a_power_law():
     cg = ss.fit_power_law(sg)
     resid_g = np.log(sg[:, 1:]) - (cg[:, :1] - cg[:, 1:] * np.log(f))
     assert resid.std() > 1.5 * resid_g.std()  # the digits' spectra are further from a power law than the fields'
+
+
+class _FieldPosteriorMean:
+    """The exact denoiser (posterior mean) of the random-field prior on a grid: (log A, alpha) uniform, the field
+    Gaussian given them with ortho-Fourier variance A f^-alpha per frequency (`gaussian_random_fields`); given
+    x = x0 + sigma n, each grid point's likelihood is diagonal in Fourier, its posterior mean a Wiener filter."""
+
+    def __init__(self, size: int, p):
+        k = np.fft.fftfreq(size) * size
+        f = np.rint(np.hypot(k[:, None], k[None, :])).clip(min=1)
+        log_a, alpha = np.meshgrid(np.linspace(*p.log_a_range, 21), np.linspace(*p.alpha_range, 16), indexing="ij")
+        self.power = np.exp(log_a.reshape(-1, 1, 1) - alpha.reshape(-1, 1, 1) * np.log(f)[None])  # (J, N, N)
+
+    def __call__(self, x, sigma, cond=None):
+        import torch
+
+        c = np.fft.fft2(x.double().numpy()[:, 0], norm="ortho")  # (B, N, N)
+        var = self.power[None] + sigma.double().numpy().reshape(-1, 1, 1, 1) ** 2  # (B, J, N, N)
+        loglik = -0.5 * (np.abs(c[:, None]) ** 2 / var + np.log(var)).sum((2, 3))  # (B, J)
+        w = np.exp(loglik - loglik.max(1, keepdims=True))
+        w /= w.sum(1, keepdims=True)
+        shrink = np.einsum("bj,bjxy->bxy", w, self.power[None] / var)
+        return torch.from_numpy(np.fft.ifft2(c * shrink, norm="ortho").real[:, None]).float()
+
+
+def test_edm_sampler_at_the_premise_nfe_reaches_real_fields_with_the_exact_denoiser():
+    """The premise edm_generates_fields judges whether the network learned the fields: with the exact denoiser of
+    the field prior, EDM's schedule and Heun sampler at premise_nfe generate fields whose SFD to real ones is at the
+    sampling floor (fresh real fields), far under the premise's bar, so what the premise measures is the network,
+    not the sampler or the schedule; at NFE 9 (the claim's regime) the same exact denoiser is far off."""
+    import torch
+
+    p = ss.Params(arms=["tight", "edm"], channels=(4,), digits_control=False)
+    model = ss.Arms(p, 1, 0.38, np.zeros(2), np.ones(2), (0.01, 5.0), ["edm"])
+    model.denoisers["edm"] = _FieldPosteriorMean(16, p)
+    rng = np.random.default_rng(0)
+    fields = ss.gaussian_random_fields(384, 16, rng.uniform(*p.log_a_range, 384), rng.uniform(*p.alpha_range, 384),
+                                       rng)
+    real, fresh = ss.log_spectra(fields[:256]), ss.log_spectra(fields[256:])
+    bar = ss.PREMISE_FRACTION * frechet_distance(real, ss.log_spectra(rng.standard_normal((128, 1, 16, 16))
+                                                                      * fields.std()))
+    sfd = {}
+    for nfe in (9, p.premise_nfe):
+        fake = ss.sample_arm(model, "edm", nfe, np.zeros((128, 2)), (1, 16, 16), torch.Generator().manual_seed(nfe))
+        sfd[nfe] = frechet_distance(real, ss.log_spectra(fake))
+    floor = frechet_distance(real, fresh)
+    assert sfd[p.premise_nfe] < 3 * floor + 0.5 and sfd[p.premise_nfe] < bar / 5
+    assert sfd[9] > bar
