@@ -38,7 +38,7 @@ def worktree(commit: str) -> Path:
 
 
 def timed(command: list[str], cwd: Path) -> float:
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions")}
+    env = dict(os.environ)
     env.pop("PAPERLINE_ROOT", None)
     start = time.perf_counter()
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)

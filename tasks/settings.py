@@ -45,14 +45,22 @@ def mask(text: str) -> str:
     return re.sub(r"(\w[\w+.-]*://[^:/@\s]*):[^@\s]*@", r"\1:***@", text)
 
 
+def extensions_dir() -> Path:
+    """The build cache of torch extensions (DeepSpeed's CPU ops), which are compiled against the interpreter's torch
+    and DeepSpeed: one per virtual environment, shared by every checkout and workspace that runs it (a second git
+    worktree on the same venv would otherwise compile the op again inside its first replicate); the project's own
+    folder outside a venv."""
+    in_venv = sys.prefix != sys.base_prefix
+    return (Path(sys.prefix).resolve() if in_venv else _PACKAGE_ROOT) / ".cache" / "torch_extensions"
+
+
 def configure_environment() -> None:
     """Keep tool state inside the project and quiet; called once by the CLI and the flows before any tool import."""
     r = root()
     cuda = _has_cuda()
-    # torch extensions (DeepSpeed's CPU ops) are a machine-wide build cache, shared by every workspace.
     defaults = {
         "PREFECT_HOME": str(r / ".prefect"),
-        "TORCH_EXTENSIONS_DIR": str(_PACKAGE_ROOT / ".cache" / "torch_extensions"),
+        "TORCH_EXTENSIONS_DIR": str(extensions_dir()),
         "DVC_SITE_CACHE_DIR": str(r / ".dvc" / "site-cache"),
         "DS_ACCELERATOR": "cuda" if cuda else "cpu",
         # Triton reads this once, at its first import (DeepSpeed imports it early): kernels run interpreted on CPU

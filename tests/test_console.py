@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+from pathlib import Path
 
 from tasks import settings
 from tasks.context import PROGRESS_TAG, PhaseProgress, TrainContext
@@ -119,3 +120,16 @@ def test_engine_clips_gradients_as_asked(tmp_path):
                          cwd=settings.root())
     # (DeepSpeed's clip, the optimizer's per group): ZeRO 0 default, ZeRO 0 no clip, ZeRO 1 default
     assert out.stdout.strip().splitlines()[-1] == "[(0.0, [1.0]), (0.0, [0.0]), (1.0, [0.0])]", out.stderr[-2000:]
+
+
+def test_extension_builds_are_shared_by_every_checkout_on_one_venv(monkeypatch, tmp_path):
+    """DeepSpeed's CPU op is compiled against the venv's torch: a second checkout (a git worktree) on the same venv
+    finds the build `make setup` made instead of compiling it inside its first replicate."""
+    import sys
+
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))
+    monkeypatch.setattr(sys, "base_prefix", "/usr")
+    assert settings.extensions_dir() == (tmp_path / "venv").resolve() / ".cache" / "torch_extensions"
+    monkeypatch.setattr(sys, "base_prefix", sys.prefix)  # no venv: the project's own folder
+    checkout = Path(settings.__file__).resolve().parents[1]
+    assert settings.extensions_dir() == checkout / ".cache" / "torch_extensions"
