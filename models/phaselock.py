@@ -81,7 +81,10 @@ class Params(ScheduledParams):
     gravity: tuple[float, float] = Field((0.25, 0.5), description="Gravity range in px/frame^2.")
     restitution: tuple[float, float] = Field((0.6, 0.9), description="Restitution range of the floor bounce.")
     texture: float = Field(0.3, ge=0, le=1, description="Amplitude of the ball's stripe texture.")
-    trail: float = Field(0.35, gt=0, le=1, description="Intensity of the t = -1 trail copy (t = -2: half).")
+    trail: float = Field(0.35, gt=0, le=1, description="Intensity of the nearer trail copy (the farther: half).")
+    trail_back: tuple[int, int] = Field((1, 2), description="Frames back (t = -a, -b) of the two trail copies in the "
+                                        "conditioning frame: at 1 px/frame or less a copy one frame back lies mostly "
+                                        "under the ball (drawn over it), farther copies show the velocity.")
     pixel_noise: float = Field(0.02, ge=0, description="Std of the pixel noise added to every frame.")
     test_fraction: float = Field(0.1, gt=0, lt=1, description="Held-out videos (evaluation conditions).")
     channels: tuple[int, int] = Field((16, 32), description="U-Net channels at full and half resolution.")
@@ -133,8 +136,8 @@ def prepare(p: Params, out_dir: Path) -> None:
         phase = rng.uniform(0, 2 * np.pi)
         for f in range(t_len):
             frame = render_ball(s, traj[f, 0], traj[f, 1], r, p.texture, phase)
-            if f == 0:  # the trail: the ball at t = -1, -2 under free flight, fading
-                for back, weight in ((1, p.trail), (2, p.trail / 2)):
+            if f == 0:  # the trail: the ball at t = -a, -b (`trail_back`) under free flight, fading
+                for back, weight in zip(p.trail_back, (p.trail, p.trail / 2), strict=True):
                     yb = min(y0 - vy * back + 0.5 * g * back**2, floor)
                     frame = np.maximum(frame, weight * render_ball(s, x0 - vx * back, yb, r, 0.0, 0.0))
             frame = np.clip(frame + p.pixel_noise * rng.standard_normal(frame.shape), 0, 1)

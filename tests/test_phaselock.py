@@ -249,3 +249,28 @@ def test_counted_flops_per_video_are_the_batchs_over_its_size():
                 pl.sample(unet, cond[:n], noise[:n], 4, **make(cond[:n], noise[:n]))
             counts.append(counter.get_total_flops())
         assert counts[1] == pytest.approx(3 * counts[0], rel=1e-3)
+
+
+def _trail_offset_r2(trail_back: tuple[int, int], tmp_path) -> float:
+    """R^2 of the velocity read off frame 0 by a linear fit on one feature: the centroid of the faint (trail-level)
+    pixels minus the ball's centroid."""
+    tmp_path.mkdir()
+    p = pl.Params(n_videos=200, n_frames=4, size=16, pixel_noise=0.0, trail_back=trail_back)
+    pl.prepare(p, tmp_path)
+    d, m = pl.load_videos(tmp_path, p), pl.read_table(tmp_path / "params.parquet")
+    f0 = ((d["x"][:, 0, 0] + 1) / 2).numpy()  # (V, S, S) in [0, 1]
+    yy, xx = np.mgrid[0:16, 0:16]
+
+    def centroid(w):
+        return np.stack([(w * xx).sum((1, 2)), (w * yy).sum((1, 2))], -1) / np.maximum(w.sum((1, 2)), 1e-6)[:, None]
+
+    feat = centroid(((f0 > 0.08) & (f0 < 0.45)) * f0) - centroid(np.clip(f0 - 0.5, 0, None))
+    x = np.concatenate([feat, np.ones((len(f0), 1))], 1)
+    v = np.stack([m["vx"], m["vy"]], -1)[np.argsort(m["video_id"])]
+    w, *_ = np.linalg.lstsq(x, v, rcond=None)
+    return float(1 - ((x @ w - v) ** 2).mean() / v.var(0).mean())
+
+
+def test_a_trail_drawn_farther_back_shows_the_velocity_the_ball_hides(tmp_path):
+    near, far = _trail_offset_r2((1, 2), tmp_path / "near"), _trail_offset_r2((2, 4), tmp_path / "far")
+    assert far > 0.85 and far > near + 0.1  # one frame back, the copy lies mostly under the ball
