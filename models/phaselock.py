@@ -5,7 +5,8 @@ Seed: 003_9a806cafa3d919df.txt, abstract 5. Spec: ../shared/papers/phaselock.md.
 What it implements (function names in brackets):
 - data: videos of a textured ball under gravity bouncing off a floor with restitution e (exact event-driven
   trajectory from models/common/sequences.bouncing_ball); the conditioning first frame carries a faint trail (the
-  ball at t = -1, -2) that encodes the initial velocity, so the conditioning image determines the true motion
+  ball at t = -a, -b, `trail_back`) that encodes the initial velocity, so the conditioning image determines the
+  true motion
   [prepare, render_ball];
 - the I2V model: a factorised space-time U-Net (per-frame 3x3 convs, then a temporal conv over frames, at two
   resolutions) fed the noisy video plus the conditioning frame broadcast over time, predicting v = sqrt(ab) eps -
