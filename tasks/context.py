@@ -194,13 +194,13 @@ def _clip_in_optimizer(has_arms: bool, world_size: int, zero_stage: int) -> bool
 
 def _clip_as_deepspeed(params: list[torch.nn.Parameter], max_norm: float) -> None:
     """DeepSpeed's global clip (deepspeed.runtime.utils.clip_grad_norm_, norm 2) on one rank, in its arithmetic, so
-    the weights are bitwise what it gave, without its all-reduce of the norm over the one-process group: a gloo
-    collective every step, a large share of a small network's step (benchmarks/step_cost.py)."""
+    the weights are bitwise what it gave, without its average of the norm over the one-process group (an identity
+    in floating point) and the all-reduce that carries it: a gloo collective every step, a large share of a small
+    network's step (benchmarks/step_cost.py)."""
     grads = [q.grad for q in params if q.grad is not None]
     if not grads:
         return
     total = torch.stack([g.detach().float().norm(2.0) for g in grads]).pow(2.0).sum().float().pow(0.5)
-    total = total * 1.0 / 1.0  # DeepSpeed's average over the data-parallel ranks, here one
     one, limit = (torch.tensor([x], device=total.device) for x in (1.0, float(max_norm)))
     coef = torch.min(one, limit / (total + 1e-6))
     for g in grads:
