@@ -41,6 +41,9 @@ Deviations from the paper (choices the abstract left open):
 - Full: Quora Question Pairs, intents = connected components of duplicate pairs [load_qqp]; the victim E1/E2 is
   BGE-small from a local sentence-transformers folder [load_sentence_model] (no download; MiniLM in smoke).
 - Payloads are short (3-4 words); the payload length sets how far the attack query starts from the victims.
+- E2 is centred on the public queries' mean before normalising: MiniLM was trained with mean pooling, so its raw
+  layer-3 CLS vectors share one dominant direction, every pair sits near cosine 1, and no tau separates intents
+  (its cache served other intents' answers to most benign queries at any tau on the grid).
 """
 
 from __future__ import annotations
@@ -270,13 +273,15 @@ def embedders(p: Params, d: dict, enc: SentenceEncoder) -> dict:
 
         st, e1 = sentence_model(), encode_sentences
 
-    def e2(texts):  # the victim's encoder truncated after 3 layers, CLS pooling
+    def cls3(texts: list[str]) -> np.ndarray:  # the victim's encoder truncated after 3 layers, CLS pooling, (n, d)
         batch = st.tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
         with torch.no_grad():
-            h = st[0].auto_model(**batch, output_hidden_states=True).hidden_states[3][:, 0]  # (n, d)
-        return norm(h.numpy()).astype(np.float32)
+            return st[0].auto_model(**batch, output_hidden_states=True).hidden_states[3][:, 0].numpy()
 
-    return out | {"e1": e1, "e2": e2}
+    # raw layer-3 CLS vectors share one dominant direction (a mean-pooled model never trained its CLS), so every pair
+    # sits near cosine 1 and no tau separates intents; E2 is centred on the public queries' mean, fitted like E3
+    mu = cls3(list(d["q"]["text"][d["q"]["role"] != "victim"])).mean(0)  # (d,)
+    return out | {"e1": e1, "e2": lambda texts: norm(cls3(texts) - mu).astype(np.float32)}
 
 
 @cache

@@ -184,3 +184,19 @@ def test_calibrated_tau_rejects_novel_intents():
     e = np.array([[1, 0, 0], [0, 1, 0], [0.8, 0.6, 0], [0.6, 0.8, 0]], np.float32)  # warm a, warm b, guess a, guess b
     q = {"role": np.array(["warm", "warm", "guess", "guess"]), "intent_id": np.array([0, 1, 0, 1])}
     assert ca.calibrate_tau(e, q, 0.05) == 0.61  # other-intent similarities are both 0.6
+
+
+def test_e2_is_centred_on_the_public_queries(tmp_path):
+    """E2 (the truncated encoder, CLS pooling) is centred on the public queries' mean before normalising: the shared
+    direction that put every raw CLS pair near cosine 1 is gone. Centred vectors sum to zero over the public queries,
+    so some pair of them has a negative cosine; unit norm is kept."""
+    path = _tiny_sentence_model(tmp_path)
+    p = _params(victim_encoder="local", victim_path=str(path))
+    (tmp_path / "data").mkdir()
+    ca.prepare(p, tmp_path / "data")
+    d = ca._load(tmp_path / "data")
+    fns = ca.embedders(p, d, ca._encoder(p, d["vocab"]))
+    public = list(d["q"]["text"][d["q"]["role"] != "victim"])
+    e2 = fns["e2"](public)
+    assert e2.shape == (len(public), 16) and np.allclose(np.linalg.norm(e2, axis=1), 1, atol=1e-5)
+    assert (e2 @ e2.T).min() < 0
