@@ -75,10 +75,12 @@ NOT_RUN = "not run here"  # no finished run of the paper in this tracking store 
 
 
 def commit_summary(rows: list[Row], current: str) -> str:
-    """How many rows come from the code now checked out, and which are stale (with their commits)."""
+    """How many rows come from the code now checked out, and which are stale (with their commits). A checkout with
+    uncommitted changes is named `<commit>-dirty`: no row comes from it, and the header says why."""
     ran = [r for r in rows if r.verdict != NOT_RUN]
     stale = [r for r in ran if r.commit != current]
-    head = f"{len(ran) - len(stale)} of {len(ran)} rows from the current commit `{current[:12]}`"
+    shown = current[:12] + ("-dirty" if current.endswith("-dirty") else "")
+    head = f"{len(ran) - len(stale)} of {len(ran)} rows from the current commit `{shown}`"
     if not stale:
         return head + "."
     return head + "; stale: " + ", ".join(f"{r.paper} (`{r.commit[:12] or 'unknown'}`)" for r in stale) + "."

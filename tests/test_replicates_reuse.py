@@ -191,6 +191,9 @@ def test_scoreboard_header_names_stale_rows_and_papers_not_run_here():
     assert commit_summary(rows, "c" * 40) == \
         f"1 of 2 rows from the current commit `{'c' * 12}`; stale: b (`{'d' * 12}`)."
     assert commit_summary(rows[:1], "c" * 40).endswith("rows from the current commit `cccccccccccc`.")
+    # uncommitted changes: the rows of that commit are not the checkout's, and the header shows the suffix
+    assert commit_summary(rows[:1], "c" * 40 + "-dirty").startswith("0 of 1 rows from the current commit "
+                                                                     "`cccccccccccc-dirty`; stale: a")
     assert NOT_RUN == "not run here"
 
 
