@@ -421,10 +421,12 @@ class Server:
     the generator, the heads, the search) is never on the clock: the latency is that of the declared cost model,
     the same on every machine and under any load."""
 
-    def __init__(self, p: Params, d: dict, lm: TinyLM, heads: Heads, retrieval_ms: float):
+    def __init__(self, p: Params, d: dict, lm: TinyLM, heads: Heads, retrieval_ms: float,
+                 embeddings: dict[str, torch.Tensor] | None = None):
+        """`embeddings`: text -> MiniLM vector, shared by servers at other L_r (the vectors do not depend on it)."""
         self.p, self.d, self.lm, self.heads, self.l_r = p, d, lm, heads, retrieval_ms
         self.emb = torch.from_numpy(d["emb"])  # (F, 384)
-        self.encode, self._cache = encoder(p), {}
+        self.encode, self._cache = encoder(p), {} if embeddings is None else embeddings
         v = d["vocab"]
         self.stop, self.dot = v.stoi["</a>"], v.stoi.get(".", -1)
         self.banned = torch.tensor([v.stoi[s] for s in SPECIAL if s != "</a>"] + [0, 1])  # never generated
@@ -559,8 +561,9 @@ def _serve_all(ctx, p: Params, d: dict, lm: TinyLM, heads: Heads, test: list[dic
     """Every arm on every test question, `repeats` times at L_r (once at each swept L_r), each pass with its own
     L_r draws. Returns L_r -> pass -> arm -> per-question rows."""
     results: dict[float, list[dict[str, list[dict]]]] = {}
+    embeddings: dict[str, torch.Tensor] = {}  # every L_r embeds the same texts: MiniLM runs once for each
     for l_r in [p.retrieval_ms, *[x for x in p.retrieval_sweep if x != p.retrieval_ms]]:
-        server = Server(p, d, lm, heads, l_r)
+        server = Server(p, d, lm, heads, l_r, embeddings)
         reps = p.repeats if l_r == p.retrieval_ms else 1
         results[l_r] = [{arm: [server.serve(arm, it, k, r) for k, it in enumerate(test)] for arm in p.arms}
                         for r in range(reps)]

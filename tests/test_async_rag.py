@@ -92,12 +92,29 @@ def test_lead_times_known_values():
     assert ar.lead_times(ent, ent, item, pos, 1.0, p) == 0.0  # the current entropy fires only at the spike
 
 
-def _untrained_server(p, d, l_r):
+def _untrained_server(p, d, l_r, embeddings=None):
     torch.manual_seed(0)
     lm, heads = ar._lm(p, len(d["vocab"])).eval(), ar.Heads(p.d_model).eval()
     with torch.no_grad():
         lm.body.tok.weight.zero_()  # uniform next-token distribution: every point is high-entropy, never "</a>"
-    return ar.Server(p, d, lm, heads, retrieval_ms=l_r)
+    return ar.Server(p, d, lm, heads, retrieval_ms=l_r, embeddings=embeddings)
+
+
+def test_servers_at_other_latencies_share_the_embeddings_and_serve_as_alone(data):
+    """A server at another L_r reuses the texts the first embedded (MiniLM runs once a text) and serves exactly as
+    a server with its own cache."""
+    p, d = data
+    it = next(x for x in d["items"] if x["split"] == "test")
+    shared: dict = {}
+    with torch.no_grad():
+        _untrained_server(p, d, 20.0, shared).serve("sync_active", it, 0)
+        second = _untrained_server(p, d, 80.0, shared)
+        calls = []
+        encode = second.encode
+        second.encode = lambda texts: (calls.append(texts), encode(texts))[1]
+        row = second.serve("sync_active", it, 0)
+        assert shared and calls == []  # every text was embedded already
+        assert row == _untrained_server(p, d, 80.0).serve("sync_active", it, 0)
 
 
 def test_simulated_clock_charges_exactly_the_declared_costs(data):
