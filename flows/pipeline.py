@@ -32,9 +32,16 @@ from flows.report import ui_url  # noqa: E402
 from models import registry  # noqa: E402
 from models.contract import PaperParams  # noqa: E402, F401 (Prefect resolves RunRequest.params here)
 from models.registry import RunRequest  # noqa: E402
-from tasks import keys, ledger, quiet, settings, tracking, train  # noqa: E402
+from tasks import keys, ledger, settings, tracking, train  # noqa: E402
 from tasks.context import send_pending  # noqa: E402
-from tasks.steps import conclude, evaluate_task, prepare_task, recorded_metrics, train_task  # noqa: E402
+from tasks.steps import (  # noqa: E402
+    conclude,
+    evaluate_task,
+    prepare_task,
+    recorded_metrics,
+    train_task,
+    training_hold,
+)
 from tasks.threadcpu import WorkCPU  # noqa: E402
 from tasks.train import TrainJob  # noqa: E402
 from tasks.worker import ranks_cpu_seconds  # noqa: E402
@@ -387,7 +394,7 @@ def _replicate(spec, request: RunRequest, entry: ledger.ReplicateEntry, prepared
         _say(f"[{label}] train: {rep.params.ranks} DeepSpeed rank(s), seed {rep.params.seed}, MLflow run {child_id}")
         job = TrainJob(paper, rep.params, prepared.stage.out_dir, out_dir, child_id, settings.tracking_uri())
         t_train = time.perf_counter()
-        with quiet.busy():  # a timing elsewhere waits for it
+        with training_hold(spec, out_dir):  # a timing elsewhere waits for it
             train_task.with_options(task_run_name=f"train {label}")(job)
         trained_s = time.perf_counter() - t_train
         launch.trained(trains_later)

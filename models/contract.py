@@ -111,3 +111,5 @@ class Paper:
     learns: bool = True  # False only where the spec says the paper has nothing to learn (train() then only computes)
     # torch threads while evaluate runs (models/common/threads.py says why one); None keeps the process default
     eval_threads: int | None = 1
+    # the claim's timed samples are taken in train() (not inside evaluate's ctx.timing()): it trains on a quiet machine
+    times_training: bool = False

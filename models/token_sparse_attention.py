@@ -414,7 +414,9 @@ def evaluate(ctx) -> dict[str, float]:
     key = f"{best['kept']:.6f}/{p.block_size}/{p.block_keep:g}"
     timings = json.loads(cache.read_text()) if cache.exists() else {}
     if key not in timings:
-        with torch_threads(1):  # one thread: no hand-offs or spin-waits between threads in the timings or the CPU cost
+        # one thread: no hand-offs or spin-waits between threads in the timings or the CPU cost; nothing else of
+        # paperline runs while it times
+        with torch_threads(1), ctx.timing():
             timings[key] = {str(n): attention_latency(n, best["kept"], p, p.latency_repeats)
                             for n in p.latency_lengths}
         cache.write_text(json.dumps(timings))

@@ -12,6 +12,7 @@ Metrics are buffered and flushed to MLflow when a checkpoint commits, so steps r
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -670,6 +671,12 @@ class EvalContext:
     out_dir: Path
     plots_dir: Path
     label: str = ""
+    shift: Any = None  # tasks.quiet.Shift of a run's evaluation; None (tests, benchmarks): timings run as they are
+
+    def timing(self) -> contextlib.AbstractContextManager:
+        """Around a loop whose wall clock a `timed` claim part reads: in a run, nothing else of paperline runs on
+        this machine inside it (tasks/quiet.py); the rest of the evaluation runs beside other work."""
+        return self.shift.timing() if self.shift is not None else contextlib.nullcontext()
 
     def network(self, phase: str, ema: bool = False) -> torch.nn.Module:
         """The network training phase `phase` ended with (`fit` saved it), in eval mode; `ema`: its EMA copy."""

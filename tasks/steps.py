@@ -27,6 +27,7 @@ from tasks import data, quiet, replicates, tracking
 from tasks.context import FIT_METRICS, EvalContext
 from tasks.train import TrainJob, launch
 
+QUIET_FILE = "quiet.json"  # a training that took timed samples: how long it waited for a quiet machine
 METRICS_FILE = "metrics.json"  # a replicate's metrics: what evaluate() returned and what fit measured (plateaus)
 
 
@@ -81,18 +82,22 @@ single_threaded_blas()
 def evaluate(paper: Paper, params: PaperParams, data_dir: Path, out_dir: Path,
              run_id: str | None) -> dict[str, float]:
     """Run the paper's evaluation of one replicate and add what its training loop measured (`fit_metrics`); with a
-    run id, log the metrics, plots and outputs there. A paper with timed parts evaluates on a quiet machine
-    (tasks/quiet.py) and records the load it was timed at."""
-    with _EVALUATING, (quiet.quiet() if paper.claim.timed else _busy_nothing_waited()) as waited:
+    run id, log the metrics, plots and outputs there. A paper with timed parts times its loops on a quiet machine
+    (`ctx.timing()`, tasks/quiet.py) and records the load they were timed at and how long they waited for it."""
+    with _EVALUATING, quiet.Shift() as shift:
         plots_dir = out_dir / "plots"
         plots_dir.mkdir(parents=True, exist_ok=True)
         ctx = EvalContext(params=params, data_dir=data_dir, out_dir=out_dir, plots_dir=plots_dir,
-                          label=f"{paper.id} evaluate")
+                          label=f"{paper.id} evaluate", shift=shift)
         with torch_threads(paper.eval_threads):
             metrics = {k: float(v) for k, v in paper.evaluate(ctx).items()}
-        if paper.claim.timed:
-            metrics |= {**waited, quiet.LOAD_METRIC: quiet.load_1m()}
-    metrics = {**fit_metrics(out_dir), **metrics}
+    if paper.claim.timed and not paper.times_training:
+        if not shift.timings:
+            raise RuntimeError(f"{paper.id}: its claim has timed parts, but evaluate timed nothing inside "
+                               "ctx.timing() (tasks/quiet.py); where the samples come from training, set "
+                               "Paper(times_training=True)")
+        metrics |= shift.metrics()
+    metrics = {**fit_metrics(out_dir), **quiet_metrics(out_dir), **metrics}
     bad = [k for k, v in metrics.items() if not math.isfinite(v)]
     if bad:
         raise ValueError(f"{paper.id}.evaluate returned non-finite metrics: {bad}")
@@ -104,9 +109,24 @@ def evaluate(paper: Paper, params: PaperParams, data_dir: Path, out_dir: Path,
 
 
 @contextlib.contextmanager
-def _busy_nothing_waited():
-    with quiet.busy():
-        yield {}
+def training_hold(paper: Paper, out_dir: Path):
+    """Around a replicate's training: `busy()`, or for a paper that takes its timed samples in training
+    (`times_training`) `quiet()`, whose wait and load go to `QUIET_FILE` for the evaluation to record."""
+    if not paper.times_training:
+        with quiet.busy():
+            yield
+        return
+    with quiet.quiet() as waited:
+        yield
+        load = quiet.load_1m()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / QUIET_FILE).write_text(json.dumps({**waited, quiet.LOAD_METRIC: load}))
+
+
+def quiet_metrics(out_dir: Path) -> dict[str, float]:
+    """The wait and load of a training that took the timed samples (`training_hold`); {} for any other."""
+    path = out_dir / QUIET_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def fit_metrics(out_dir: Path) -> dict[str, float]:

@@ -182,6 +182,50 @@ def test_quiet_timing_waits_for_running_work_and_holds_new_work_off(tmp_path, mo
     assert events == ["training ends", "timing starts", "timing ends after waiting True", "later training starts"]
 
 
+def test_an_evaluation_is_quiet_only_inside_its_timing_loops(tmp_path, monkeypatch):
+    """A Shift holds busy() (other work runs beside it, a timer elsewhere waits for it); inside timing() it holds
+    quiet() (other work waits), and afterwards busy() again."""
+    import threading
+
+    from tasks import quiet
+
+    monkeypatch.setenv("PAPERLINE_QUIET_LOCK", str(tmp_path / "quiet"))
+    events: list[str] = []
+
+    def other_work(name: str):
+        with quiet.busy():
+            events.append(name)
+
+    with quiet.Shift() as shift:
+        beside = threading.Thread(target=other_work, args=("work beside the evaluation",))
+        beside.start()
+        beside.join(5)
+        assert events == ["work beside the evaluation"]  # busy() is shared
+        with shift.timing():
+            held_off = threading.Thread(target=other_work, args=("work after the timing",))
+            held_off.start()
+            time.sleep(0.3)
+            events.append("timing ends")
+            with pytest.raises(RuntimeError, match="inside another timing"), shift.timing():
+                pass
+        held_off.join(5)
+        assert events[1:] == ["timing ends", "work after the timing"]
+        assert shift.timings == 1 and shift.metrics()[quiet.WAIT_METRIC] >= 0 and quiet.LOAD_METRIC in shift.metrics()
+    assert quiet.Shift().metrics() == {}  # nothing timed, nothing recorded
+
+
+def test_a_timed_paper_that_times_nothing_in_its_evaluation_fails_it(tmp_path, monkeypatch):
+    from models.contract import Paper
+    from tasks import steps
+
+    monkeypatch.setenv("PAPERLINE_QUIET_LOCK", str(tmp_path / "quiet"))
+    spec = registry.get("t3_video")
+    untimed = dataclasses.replace(spec, evaluate=lambda ctx: {})
+    with pytest.raises(RuntimeError, match="timed nothing inside ctx.timing"):
+        steps.evaluate(untimed, spec.Params(), tmp_path, tmp_path / "out", None)
+    assert isinstance(untimed, Paper) and registry.get("pacer").times_training  # pacer times its training steps
+
+
 def test_scoreboard_header_names_stale_rows_and_papers_not_run_here():
     from flows.report import NOT_RUN, Row, commit_summary
 
