@@ -5,8 +5,8 @@ one thread. A `Launcher` hides both overlaps from the pipeline's steps:
 - the paper's ranks are prestarted as the run begins (while the data is checked and the MLflow run opens);
 - when a replicate's training ends, the next replicate's ranks are prestarted, or in a suite the next paper's
   (`Upcoming`), while this replicate evaluates on the launcher's evaluator thread;
-- a paper whose claim is `timed` prestarts nothing after a training: nothing may run beside its timed parts
-  (tasks/quiet.py holds the evaluations of other papers back);
+- a paper that times loops in its evaluation prestarts nothing after a training: nothing may run beside its
+  timings (tasks/quiet.py holds other papers' work back; one that times its training trains quietly instead);
 - what no training claimed is cancelled when the run ends (a cached result, a failure before training).
 """
 

@@ -104,7 +104,8 @@ def paper_pipeline(request: RunRequest, force: bool = False) -> dict:
     Runs of one paper never overlap: they hold the Prefect global concurrency limit `paper-<id>` (1 slot), which
     `paperline serve` creates; without it (the temporary local API) there is nothing to hold."""
     start = time.perf_counter()
-    with Launcher(request, registry.get(request.paper).claim.timed) as launch:
+    spec = registry.get(request.paper)
+    with Launcher(request, spec.claim.timed and not spec.times_training) as launch:
         tracking.check_reachable()
         with _one_run_per_paper(request.paper):
             return _run(request, force, start, launch)
