@@ -32,7 +32,7 @@ from flows.report import ui_url  # noqa: E402
 from models import registry  # noqa: E402
 from models.contract import PaperParams  # noqa: E402, F401 (Prefect resolves RunRequest.params here)
 from models.registry import RunRequest  # noqa: E402
-from tasks import keys, ledger, settings, tracking, train  # noqa: E402
+from tasks import evaluators, keys, ledger, settings, tracking, train  # noqa: E402
 from tasks.context import send_pending  # noqa: E402
 from tasks.steps import (  # noqa: E402
     conclude,
@@ -477,17 +477,24 @@ def suite(requests: list[RunRequest], force: bool = False, parallel: int = 1) ->
     flows/deployed.py); one paper's failure is reported, not fatal.
 
     `parallel` papers run side by side (threads of this process; training is a subprocess per paper, evaluation
-    one paper at a time): one paper's single-threaded stretches (prepare, evaluate, start-up) then use the cores
-    another paper's training leaves idle (benchmarks/README.md, suite)."""
+    runs in `parallel` evaluator processes, tasks/evaluators.py): one paper's single-threaded stretches (prepare,
+    evaluate, start-up) then use the cores another paper's training leaves idle (benchmarks/README.md, suite)."""
     started = time.time()
     if parallel < 1:
         raise registry.ConfigError(f"parallel: must be at least 1, got {parallel}")
     if not requests:
         raise registry.ConfigError("a suite needs at least one paper")
+    with contextlib.ExitStack() as stack:
+        if parallel > 1:  # papers side by side evaluate in processes of their own, not in turns in this one
+            stack.enter_context(evaluators.evaluators(parallel))
+        return _suite(requests, force, parallel, started)
+
+
+def _suite(requests: list[RunRequest], force: bool, parallel: int, started: float) -> list[dict]:
     profile = requests[0].profile
     upcoming = Upcoming(requests)
     eta = _Eta(requests)
-    token = UPCOMING.set(upcoming)  # the papers' contexts are copies holding it
+    token = UPCOMING.set(upcoming)  # the papers' contexts are copies holding it (and the evaluators)
     calls = [(f"[{i}/{len(requests)}] {r.paper}", r, _in_context(r, force, upcoming))
              for i, r in enumerate(requests, 1)]
     UPCOMING.reset(token)

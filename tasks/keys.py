@@ -21,7 +21,7 @@ from pathlib import Path
 TRAINING_ROOTS = ("models", "tasks", "kernels")
 # reached by those imports but deciding nothing that training computes: the verdict side, planning, tracking
 NOT_TRAINING = ("models/verdicts.py", "tasks/planning.py", "tasks/replicates.py", "tasks/tracking.py",
-                "tasks/keys.py", "tasks/quiet.py")
+                "tasks/keys.py", "tasks/quiet.py", "tasks/evaluators.py")
 RUNTIME_ENTRIES = ("tasks/worker.py", "tasks/prepare_stage.py", "tasks/steps.py")
 VERDICT_RULE = "models/verdicts.py"
 

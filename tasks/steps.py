@@ -23,7 +23,7 @@ from prefect import task
 from models.common.threads import torch_threads
 from models.contract import ClaimResult, Paper, PaperParams
 from models.registry import RunRequest
-from tasks import data, quiet, replicates, tracking
+from tasks import data, evaluators, quiet, replicates, tracking
 from tasks.context import FIT_METRICS, EvalContext
 from tasks.train import TrainJob, launch
 
@@ -60,8 +60,8 @@ def evaluate_task(paper: Paper, params: PaperParams, data_dir: Path, out_dir: Pa
     return evaluate(paper, params, data_dir, out_dir, run_id)
 
 
-# evaluate runs inside the flow's process, where torch's thread count and pyplot's figures are process-wide: papers
-# that a suite runs side by side (`--parallel`) evaluate one at a time
+# an evaluation in the flow's process, where torch's thread count and pyplot's figures are process-wide, runs alone
+# (a suite of papers side by side evaluates in evaluator processes instead: tasks/evaluators.py)
 _EVALUATING = threading.Lock()
 
 
@@ -83,20 +83,21 @@ def evaluate(paper: Paper, params: PaperParams, data_dir: Path, out_dir: Path,
              run_id: str | None) -> dict[str, float]:
     """Run the paper's evaluation of one replicate and add what its training loop measured (`fit_metrics`); with a
     run id, log the metrics, plots and outputs there. A paper with timed parts times its loops on a quiet machine
-    (`ctx.timing()`, tasks/quiet.py) and records the load they were timed at and how long they waited for it."""
-    with _EVALUATING, quiet.Shift() as shift:
-        plots_dir = out_dir / "plots"
-        plots_dir.mkdir(parents=True, exist_ok=True)
-        ctx = EvalContext(params=params, data_dir=data_dir, out_dir=out_dir, plots_dir=plots_dir,
-                          label=f"{paper.id} evaluate", shift=shift)
-        with torch_threads(paper.eval_threads):
-            metrics = {k: float(v) for k, v in paper.evaluate(ctx).items()}
+    (`ctx.timing()`, tasks/quiet.py) and records the load they were timed at and how long they waited for it. In a
+    suite of papers side by side, the paper's `evaluate` runs in an evaluator process (tasks/evaluators.py)."""
+    try:
+        metrics, timed, timings = evaluators.submit(paper.id, params, data_dir, out_dir)
+    except evaluators.NoEvaluator:  # a single paper's run, or the suite's evaluators died (an out-of-memory kill)
+        with _EVALUATING:
+            metrics, shift = paper_metrics(paper, params, data_dir, out_dir)
+        timed, timings = shift.metrics(), shift.timings
+    plots_dir = out_dir / "plots"
     if paper.claim.timed and not paper.times_training:
-        if not shift.timings:
+        if not timings:
             raise RuntimeError(f"{paper.id}: its claim has timed parts, but evaluate timed nothing inside "
                                "ctx.timing() (tasks/quiet.py); where the samples come from training, set "
                                "Paper(times_training=True)")
-        metrics |= shift.metrics()
+        metrics |= timed
     metrics = {**fit_metrics(out_dir), **quiet_metrics(out_dir), **metrics}
     bad = [k for k, v in metrics.items() if not math.isfinite(v)]
     if bad:
@@ -106,6 +107,20 @@ def evaluate(paper: Paper, params: PaperParams, data_dir: Path, out_dir: Path,
     if run_id:
         _log(run_id, metrics, {}, out_dir, plots_dir)
     return metrics
+
+
+def paper_metrics(paper: Paper, params: PaperParams, data_dir: Path,
+                  out_dir: Path) -> tuple[dict[str, float], quiet.Shift]:
+    """The paper's own `evaluate` of one replicate (plots into out_dir/plots), busy beside other work except in its
+    timing loops; its metrics as floats, and the Shift that counted its timings."""
+    plots_dir = out_dir / "plots"
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    with quiet.Shift() as shift:
+        ctx = EvalContext(params=params, data_dir=data_dir, out_dir=out_dir, plots_dir=plots_dir,
+                          label=f"{paper.id} evaluate", shift=shift)
+        with torch_threads(paper.eval_threads):
+            metrics = {k: float(v) for k, v in paper.evaluate(ctx).items()}
+    return metrics, shift
 
 
 @contextlib.contextmanager

@@ -51,6 +51,15 @@ def _start_charged(thread: threading.Thread) -> None:
 threading.Thread.start = _start_charged
 
 
+def charge(seconds: float) -> None:
+    """CPU seconds the calling thread's work spent in another process (an evaluator: tasks/evaluators.py), added to
+    the WorkCPU that charges this thread; nothing when none does."""
+    with _lock:
+        work = _charged.get(threading.get_native_id())
+        if work is not None:
+            work._ended += seconds
+
+
 class WorkCPU:
     """`with WorkCPU() as cpu: work()`, then `cpu.seconds`: the CPU seconds charged to the work (module docstring)."""
 

@@ -68,3 +68,28 @@ def test_prepare_is_deterministic(tmp_path):
             import pyarrow.parquet as pq
 
             assert pq.read_table(table).equals(pq.read_table(tmp_path / paper_id / "b" / table.name)), table
+
+
+def test_an_evaluator_process_evaluates_as_the_flow_does_and_its_cpu_is_charged(tmp_path):
+    """A suite of papers side by side evaluates in evaluator processes (tasks/evaluators.py): the same metrics,
+    files and plots as in the flow's process, and the evaluator's CPU charged to the replicate's evaluation."""
+    from tasks import evaluators
+    from tasks.threadcpu import WorkCPU
+
+    paper = registry.get("ldka")
+    params = registry.resolve("ldka", "test", None, PROJECT / "params.yaml")
+    data_dir, out_dir = tmp_path / "data", tmp_path / "out"
+    data_dir.mkdir()
+    paper.prepare(params, data_dir)
+    train_in_process("ldka", params, data_dir, out_dir)
+    here = evaluate(paper, params, data_dir, out_dir, run_id=None)
+    plots = sorted(p.name for p in (out_dir / "plots").iterdir())
+    for p in (out_dir / "plots").iterdir():
+        p.unlink()
+    with evaluators.evaluators(1) as pool, WorkCPU() as cpu:
+        there = evaluate(paper, params, data_dir, out_dir, run_id=None)
+        assert pool._processes, "evaluated in an evaluator process"
+    assert there == here and json.loads((out_dir / "metrics.json").read_text()) == here
+    assert sorted(p.name for p in (out_dir / "plots").iterdir()) == plots
+    assert cpu.seconds > 0.05
+    assert evaluators.POOL.get() is None

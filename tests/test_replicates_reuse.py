@@ -226,6 +226,15 @@ def test_a_timed_paper_that_times_nothing_in_its_evaluation_fails_it(tmp_path, m
     assert isinstance(untimed, Paper) and registry.get("pacer").times_training  # pacer times its training steps
 
 
+def test_cpu_spent_in_an_evaluator_process_is_charged_to_the_work_that_sent_it():
+    from tasks import threadcpu
+
+    threadcpu.charge(5.0)  # no work charges this thread: nothing to add to
+    with threadcpu.WorkCPU() as cpu:
+        threadcpu.charge(2.5)
+    assert 2.5 <= cpu.seconds < 3.0
+
+
 def test_scoreboard_header_names_stale_rows_and_papers_not_run_here():
     from flows.report import NOT_RUN, Row, commit_summary
 
