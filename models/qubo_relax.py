@@ -419,10 +419,16 @@ def adam(q, c, x0, max_steps: int, lr: float, betas=(0.9, 0.999), eps=1e-8):
     return _projected(update, q, c, x0, max_steps)
 
 
-def projected_gradient(q: torch.Tensor, c: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def gradient(q: torch.Tensor, c: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """grad f(x) = 2 Q x + c per run, (I, R, n); q symmetric."""
+    return 2 * x @ q + c[:, None]
+
+
+def projected_gradient(q: torch.Tensor, c: torch.Tensor, x: torch.Tensor,
+                       g: torch.Tensor | None = None) -> torch.Tensor:
     """First-order stationarity on the box: ||x - clip(x - grad f(x))||_inf per run (I, R); zero exactly at a KKT
-    point of min f over [0, 1]^n."""
-    g = 2 * x @ q + c[:, None]  # (I, R, n); q symmetric
+    point of min f over [0, 1]^n. `g`: grad f(x), when the caller has it already."""
+    g = gradient(q, c, x) if g is None else g
     return (x - (x - g).clamp(0, 1)).abs().amax(-1)
 
 
@@ -431,11 +437,12 @@ def _projected(update, q, c, x0, max_steps, tol: float = STATIONARY_TOL):
     Adam's momentum pressing against a bound, does not count) or the step cap."""
     x, steps = x0.clone(), torch.full(x0.shape[:2], max_steps)
     active = torch.ones(x0.shape[:2], dtype=torch.bool)
+    g = gradient(q, c, x)
     for step in range(1, max_steps + 1):
-        g = 2 * x @ q + c[:, None]  # (I, R, n); q symmetric
         new = update(x, g, step).clamp(0, 1)
         x = torch.where(active[..., None], new, x)
-        stopped = active & (projected_gradient(q, c, x) < tol)
+        g = gradient(q, c, x)  # the stopping test's and the next step's: one product a step, not two
+        stopped = active & (projected_gradient(q, c, x, g) < tol)
         steps[stopped] = step
         active &= ~stopped
         if not active.any():
