@@ -56,15 +56,15 @@ class NoEvaluator(Exception):
     """No evaluator process serves this context: evaluate in the flow's process."""
 
 
-def submit(paper_id: str, params, data_dir: Path, out_dir: Path) -> tuple[dict, dict, int]:
-    """The paper's `evaluate` of one replicate in an evaluator process: its metrics, its timings' metrics and how
-    many timings it ran; the process's CPU seconds are charged to the calling thread's work. NoEvaluator where
+def submit(paper_id: str, params, data_dir: Path, out_dir: Path) -> tuple[dict, dict]:
+    """The paper's `evaluate` of one replicate in an evaluator process: its metrics and its timings' metrics; the
+    process's CPU seconds are charged to the calling thread's work. NoEvaluator where
     none serves, or where the processes died (the pool is then dropped, and the suite evaluates in the flow)."""
     pool = POOL.get()
     if pool is None:
         raise NoEvaluator
     try:
-        metrics, timed, timings, cpu_s = pool.submit(evaluate_here, paper_id, params.model_dump(mode="json"),
+        metrics, timed, cpu_s = pool.submit(evaluate_here, paper_id, params.model_dump(mode="json"),
                                                      str(data_dir), str(out_dir)).result()
     except BrokenProcessPool as e:
         POOL.set(None)
@@ -72,16 +72,16 @@ def submit(paper_id: str, params, data_dir: Path, out_dir: Path) -> tuple[dict, 
               file=sys.stderr, flush=True)
         raise NoEvaluator from e
     threadcpu.charge(cpu_s)
-    return metrics, timed, timings
+    return metrics, timed
 
 
-def evaluate_here(paper_id: str, params: dict, data_dir: str, out_dir: str) -> tuple[dict, dict, int, float]:
+def evaluate_here(paper_id: str, params: dict, data_dir: str, out_dir: str) -> tuple[dict, dict, float]:
     """In an evaluator process: the paper's `evaluate` as `tasks.steps.paper_metrics` runs it; returns its metrics,
-    its timings' metrics (tasks/quiet.py Shift), how many timings it ran, and the CPU seconds it cost."""
+    its timings' metrics (tasks/quiet.py Shift) and the CPU seconds it cost."""
     from models import registry
     from tasks.steps import paper_metrics
 
     paper = registry.get(paper_id)
     before = _cpu_seconds()
     metrics, shift = paper_metrics(paper, paper.Params.model_validate(params), Path(data_dir), Path(out_dir))
-    return metrics, shift.metrics(), shift.timings, _cpu_seconds() - before
+    return metrics, shift.metrics(), _cpu_seconds() - before

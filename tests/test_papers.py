@@ -26,6 +26,9 @@ def test_paper_test_profile_end_to_end(paper_id, tmp_path):
     train_in_process(paper_id, params, data_dir, out_dir)
     metrics = evaluate(paper, params, data_dir, out_dir, run_id=None)
     assert metrics and all(math.isfinite(v) for v in metrics.values())
+    # a paper with timed parts times them on a quiet machine: inside ctx.timing(), or in a training that runs in
+    # quiet() (Paper.times_training; the pipeline's training_hold, not this in-process training)
+    assert ("timing/quiet_wait_s" in metrics) == (paper.claim.timed and not paper.times_training)
     assert paper.primary[0] in metrics and paper.primary[1] in ("max", "min")
     assert json.loads((out_dir / "metrics.json").read_text()) == metrics
     claim = paper.claim.decide([metrics, metrics])  # two identical replicates: every part decisive, no NaN
