@@ -28,7 +28,8 @@ What it implements (function names in brackets):
   [dmd_loss, train]. Every network lives in one module; the ODE and DMD stages share a second DeepSpeed engine
   (constant rates), each stage training its part and freezing the rest [Pipeline, freeze_all_but];
 - metrics: dynamic degree (centroid motion > 0.5 px/frame) and its distance to the real clips' (the claim reads the
-  distance: jittering frames raise the degree too), frame fidelity (best single-blob template correlation),
+  distance: jittering frames raise the degree too; the teachers' static clips read as dynamic show that part
+  [static_dynamic]), frame fidelity (best single-blob template correlation),
   instruction following (classifier accuracy), sliced W2 to held-out real clips, and the injectivity diagnostic:
   held-out ODE regression MSE of each student [centroids, blob_fidelity, sliced_w2, ode_residual].
 
@@ -509,6 +510,13 @@ def dynamic_gap(x: torch.Tensor, real: torch.Tensor) -> float:
     return abs(float(dynamic(x).float().mean()) - float(dynamic(real).float().mean()))
 
 
+def static_dynamic(x: torch.Tensor, prompt: torch.Tensor) -> float:
+    """Fraction of the static-prompt clips of x read as dynamic: a real static clip never moves, so this is the part
+    of a sampler's dynamic degree that is incoherence between frames (the blob wandering), not prompted motion."""
+    static = prompt == PROMPTS.index("static")
+    return float(dynamic(x[static]).float().mean()) if bool(static.any()) else 0.0
+
+
 def blob_fidelity(x: torch.Tensor, step: float = 0.25) -> torch.Tensor:
     """(N, F, 64) -> (N,) mean over frames of the best correlation with a single-blob template; the least-squares
     fit over amplitude and offset at a position is this correlation, so the best position maximises it."""
@@ -574,6 +582,8 @@ def evaluate(ctx) -> dict[str, float]:
                  "teacher_ar": clips["teacher_ar"]}
     for arm, x in as_paired.items():
         out[f"detail/{arm}/dynamic_gap"] = dynamic_gap(x, real)
+        # real static clips never move: what a teacher's static clips read as motion is frame-to-frame wander
+        out[f"detail/{arm}/static_dynamic"] = static_dynamic(x, prompt)
 
     # injectivity diagnostic: what each ODE student cannot regress away on held-out pairs of its own teacher
     eps_h, prompt_h = pair_noise(p, p.n_pairs_heldout, 1)
