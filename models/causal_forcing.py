@@ -50,6 +50,9 @@ Deviations from the paper (choices the abstract and spec left open):
   partitioning (the full profile says so); a runtime gap: ctx.fit has no per-phase parameter masks.
 - The fake score's updates within one cycle train on the same student clips (the generator is frozen over the
   cycle), re-noised afresh at each step: one rollout per cycle instead of one per fake step.
+- Stage 1 may draw its flow-matching t from Wan's shifted schedule (`teacher_t_shift`) instead of uniformly: a
+  static clip's frames must agree on one blob position, which is decided at high noise, where uniform t trains least.
+  Both teachers get the same shift; the samplers keep their uniform Euler grids and the students' levels.
 - The networks see pixels standardised to unit variance (PIX_MEAN, PIX_STD), as latent diffusion scales its
   latents; generated clips are mapped back and clipped to [0, 1] before scoring.
 - Frames wrap nothing: the blob reflects off the edges [0, 7] so a 6-frame clip at 1.5 px/frame fits in 8x8.
@@ -96,6 +99,9 @@ class Params(PaperParams):
     teacher_decay: Decay = Field("constant", description="Stage 1's rate decay after warm-up, to its last step.")
     teacher_ema: float | None = Field(None, ge=0, le=1, description="EMA decay of stage 1 (the engine's, with its "
                                       "warm-up); both teachers and the classifier continue from their EMA. None: none.")
+    teacher_t_shift: float = Field(1.0, gt=0, description="Timestep shift s of stage 1's flow matching (both "
+                                   "teachers): t = s u / (1 + (s - 1) u), u ~ U[0, 1], as Wan shifts its schedule "
+                                   "toward high noise, where a clip's layout is decided. 1: uniform t.")
     n_pairs: int = Field(512, ge=2, description="ODE pairs per teacher for the students.")
     n_pairs_heldout: int = Field(128, ge=2, description="Held-out ODE pairs per teacher (injectivity diagnostic).")
     euler_steps: int = Field(8, ge=1, description="Euler steps of the PF-ODE when curating pairs.")
@@ -240,6 +246,11 @@ def x0_of(net: FrameTransformer, x_t: torch.Tensor, t: torch.Tensor, prompt: tor
           clean: torch.Tensor | None = None) -> torch.Tensor:
     """Clean-endpoint prediction x0_hat = x_t - t v (B, F, 64) under the rectified-flow parameterisation."""
     return x_t - t[..., None] * net(x_t, t, prompt, clean)
+
+
+def shift_t(u: torch.Tensor, shift: float) -> torch.Tensor:
+    """Timesteps in [0, 1] shifted toward 1 (noise) for shift > 1: s u / (1 + (s - 1) u), Wan's / SD3's shift."""
+    return shift * u / (1 + (shift - 1) * u)
 
 
 def fm_loss(net: FrameTransformer, x0: torch.Tensor, t: torch.Tensor, eps: torch.Tensor, prompt: torch.Tensor,
@@ -406,8 +417,10 @@ def train(ctx) -> None:
     def teacher_batch(step: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(p.seed * 100_003 + step)
         v = train_ids[torch.randint(len(train_ids), (b,), generator=g)]
-        return {"x": d["x"][v], "prompt": d["prompt"][v], "t_clip": torch.rand(b, generator=g),
-                "t_frame": torch.rand(b, frames, generator=g), "eps": torch.randn(b, frames, P, generator=g)}
+        t_clip, t_frame = torch.rand(b, generator=g), torch.rand(b, frames, generator=g)
+        return {"x": d["x"][v], "prompt": d["prompt"][v], "t_clip": shift_t(t_clip, p.teacher_t_shift),
+                "t_frame": shift_t(t_frame, p.teacher_t_shift),
+                "eps": torch.randn(b, frames, P, generator=g)}
 
     def teacher_step(engine, batch, step):
         losses = teachers(**batch)

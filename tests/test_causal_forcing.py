@@ -275,3 +275,13 @@ def test_stage_one_has_its_own_schedule_and_the_later_stages_start_from_its_ema(
     for key, value in after.state_dict().items():
         assert torch.equal(value, ema.state_dict()[key]), key
     assert any(not torch.equal(v, live.state_dict()[k]) for k, v in after.state_dict().items())
+
+
+def test_shifted_timesteps_keep_the_ends_and_move_mass_toward_noise():
+    u = torch.rand(10_000, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(cf.shift_t(u, 1.0), u)  # no shift: the uniform draw, bitwise
+    t = cf.shift_t(u, 3.0)
+    assert float(cf.shift_t(torch.tensor(0.0), 3.0)) == 0.0 and float(cf.shift_t(torch.tensor(1.0), 3.0)) == 1.0
+    assert bool((t >= u).all()) and bool((torch.diff(cf.shift_t(torch.linspace(0, 1, 50), 3.0)) > 0).all())
+    assert float(t.median()) == pytest.approx(0.75, abs=0.02)  # 3 * 0.5 / (1 + 2 * 0.5)
+    assert float((t > 0.8).float().mean()) == pytest.approx(1 - 0.8 / (3 - 2 * 0.8), abs=0.02)  # u > 0.571
