@@ -184,6 +184,20 @@ def test_dynamic_gap_charges_jitter_that_dynamic_degree_rewards():
     assert cf.dynamic_gap(jittery, real) > 0.4
 
 
+
+def test_static_dynamic_counts_only_the_static_prompts_wander():
+    """Moving clips do not count; a static clip whose blob wanders does; a still one does not."""
+    rng = np.random.default_rng(1)
+    still = [cf.render_clip(0, 0, 0.0, *rng.uniform(2, 5, 2), 4) for _ in range(4)]
+    jumps = rng.uniform(1, 6, (4, 4, 2))
+    wander = [cf.blob(j[:, 0], j[:, 1]).reshape(4, 64) for j in jumps]
+    moving = [cf.render_clip(1, 1, 1.0, 1.0, *rng.uniform(2, 5, 1), 4) for _ in range(8)]
+    x = torch.from_numpy(np.stack(still + wander + moving)).float()
+    prompt = torch.tensor([0] * 8 + [1] * 8)
+    assert cf.static_dynamic(x, prompt) == 0.5
+    assert cf.static_dynamic(x[:4], prompt[:4]) == 0.0
+    assert cf.static_dynamic(x[8:], prompt[8:]) == 0.0  # no static clip: nothing to wander
+
 def test_sliced_w2_known_values():
     a = torch.randn(400, 16, generator=torch.Generator().manual_seed(5))
     assert cf.sliced_w2(a, a, seed=0) == pytest.approx(0.0, abs=1e-9)
@@ -261,3 +275,13 @@ def test_stage_one_has_its_own_schedule_and_the_later_stages_start_from_its_ema(
     for key, value in after.state_dict().items():
         assert torch.equal(value, ema.state_dict()[key]), key
     assert any(not torch.equal(v, live.state_dict()[k]) for k, v in after.state_dict().items())
+
+
+def test_shifted_timesteps_keep_the_ends_and_move_mass_toward_noise():
+    u = torch.rand(10_000, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(cf.shift_t(u, 1.0), u)  # no shift: the uniform draw, bitwise
+    t = cf.shift_t(u, 3.0)
+    assert float(cf.shift_t(torch.tensor(0.0), 3.0)) == 0.0 and float(cf.shift_t(torch.tensor(1.0), 3.0)) == 1.0
+    assert bool((t >= u).all()) and bool((torch.diff(cf.shift_t(torch.linspace(0, 1, 50), 3.0)) > 0).all())
+    assert float(t.median()) == pytest.approx(0.75, abs=0.02)  # 3 * 0.5 / (1 + 2 * 0.5)
+    assert float((t > 0.8).float().mean()) == pytest.approx(1 - 0.8 / (3 - 2 * 0.8), abs=0.02)  # u > 0.571
