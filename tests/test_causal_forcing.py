@@ -184,7 +184,6 @@ def test_dynamic_gap_charges_jitter_that_dynamic_degree_rewards():
     assert cf.dynamic_gap(jittery, real) > 0.4
 
 
-
 def test_static_dynamic_counts_only_the_static_prompts_wander():
     """Moving clips do not count; a static clip whose blob wanders does; a still one does not."""
     rng = np.random.default_rng(1)
@@ -197,6 +196,7 @@ def test_static_dynamic_counts_only_the_static_prompts_wander():
     assert cf.static_dynamic(x, prompt) == 0.5
     assert cf.static_dynamic(x[:4], prompt[:4]) == 0.0
     assert cf.static_dynamic(x[8:], prompt[8:]) == 0.0  # no static clip: nothing to wander
+
 
 def test_sliced_w2_known_values():
     a = torch.randn(400, 16, generator=torch.Generator().manual_seed(5))
