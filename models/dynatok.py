@@ -391,16 +391,25 @@ def chamfer_terms(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def frame_metrics(pred: torch.Tensor, gt: torch.Tensor, seen: torch.Tensor, radius: float) -> dict[str, float]:
     """pred (F, P, 3), gt (F, Q, 3), seen (F, N, 3) -> Chamfer-L2, F-score at 1% of the diagonal, occluded Chamfer."""
-    dist = torch.cdist(pred, gt)  # (F, P, Q)
+    return metrics_from(torch.cdist(pred, gt), gt, occluded_mask(gt, seen, radius))
+
+
+def occluded_mask(gt: torch.Tensor, seen: torch.Tensor, radius: float) -> torch.Tensor:
+    """(F, Q): GT points farther than `radius` from every observed point (the same for every decoder)."""
+    return torch.cdist(gt, seen).min(-1).values > radius
+
+
+def metrics_from(dist: torch.Tensor, gt: torch.Tensor, occluded: torch.Tensor) -> dict[str, float]:
+    """Chamfer-L2, F-score and occluded Chamfer from the decoded-to-GT distances dist (F, P, Q), computed once."""
+    to_gt, to_pred = dist.min(-1).values, dist.min(-2).values  # (F, P), (F, Q)
     tau = 0.01 * (gt.amax(1) - gt.amin(1)).norm(dim=-1)[:, None]  # (F, 1)
-    precision = (dist.min(-1).values < tau).float().mean(-1)
-    recall = (dist.min(-2).values < tau).float().mean(-1)
+    precision = (to_gt < tau).float().mean(-1)
+    recall = (to_pred < tau).float().mean(-1)
     fscore = 2 * precision * recall / (precision + recall).clamp(min=1e-9)
-    occluded = torch.cdist(gt, seen).min(-1).values > radius  # (F, Q)
-    to_pred = dist.min(-2).values.pow(2)  # (F, Q)
-    occ = (to_pred * occluded).sum() / occluded.sum().clamp(min=1)
-    return {"chamfer": float(chamfer_terms(pred, gt).sum(-1).mean()), "fscore": float(fscore.mean()),
-            "occluded_chamfer": float(occ)}
+    occ = (to_pred.pow(2) * occluded).sum() / occluded.sum().clamp(min=1)
+    # the minimum of squared distances is the square of the minimum: chamfer_terms(pred, gt) bit for bit
+    chamfer = torch.stack([to_gt.pow(2).mean(-1), to_pred.pow(2).mean(-1)], -1).sum(-1).mean()
+    return {"chamfer": float(chamfer), "fscore": float(fscore.mean()), "occluded_chamfer": float(occ)}
 
 
 def drift(pred: torch.Tensor, gt: torch.Tensor, u: torch.Tensor, normalise: bool = True) -> float:
@@ -410,13 +419,24 @@ def drift(pred: torch.Tensor, gt: torch.Tensor, u: torch.Tensor, normalise: bool
     |u_i^t - u_j^t| between two different decoded points of the same frame (j = i + P/2): a random re-assignment
     scores about 1, a perfect tracker 0, and an output collapsed onto a few GT points (a static blob, whose raw drift
     is small because its points all read nearly the same u) scores high, so collapse cannot win the metric."""
-    nn_idx = torch.cdist(pred, gt).argmin(-1)  # (T, P)
+    return drifts_from(torch.cdist(pred, gt), u)["drift" if normalise else "raw_drift"]
+
+
+def drifts_from(dist: torch.Tensor, u: torch.Tensor) -> dict[str, float]:
+    """Normalised and raw drift (see `drift`) from the decoded-to-GT distances dist (T, P, Q)."""
+    nn_idx = dist.argmin(-1)  # (T, P)
     uu = torch.gather(u, 1, nn_idx[..., None].expand(-1, -1, 3))  # (T, P, 3)
     moved = (uu[1:] - uu[:-1]).norm(dim=-1).mean()
-    if not normalise:
-        return float(moved)
-    spread = (uu - uu.roll(pred.shape[1] // 2, dims=1)).norm(dim=-1).mean()  # pairs of distinct points
-    return float(moved / spread.clamp(min=1e-3))
+    spread = (uu - uu.roll(dist.shape[1] // 2, dims=1)).norm(dim=-1).mean()  # pairs of distinct points
+    return {"drift": float(moved / spread.clamp(min=1e-3)), "raw_drift": float(moved)}
+
+
+def sequence_metrics(pred: torch.Tensor, gt: torch.Tensor, u: torch.Tensor, occluded: torch.Tensor
+                     ) -> dict[str, float]:
+    """Every reconstruction metric of one decoded sequence pred (T, P, 3) from one distance matrix to the GT: what
+    `frame_metrics` and `drift` (normalised and raw) return, each of which would compute it again."""
+    dist = torch.cdist(pred, gt)  # (T, P, Q)
+    return metrics_from(dist, gt, occluded) | drifts_from(dist, u)
 
 
 @torch.no_grad()
@@ -426,15 +446,14 @@ def evaluate(ctx) -> dict[str, float]:
     model = ctx.network("joint")
     te = torch.nonzero(d["test"]).flatten()[: p.eval_sequences]
     partial, complete = d["partial"][te], d["complete"][te]
+    occluded = [occluded_mask(complete[k, ..., :3], partial[k], p.occluded_radius) for k in range(len(te))]
     per: dict[str, list[float]] = {}
     decoded = {}
     for name, net in model.nets.items():
         pred = sample(net, partial, p.n_complete, p.euler_steps, torch.Generator().manual_seed(p.seed))
         decoded[name] = pred[0]
         for k in range(len(te)):
-            m = frame_metrics(pred[k], complete[k, ..., :3], partial[k], p.occluded_radius)
-            m["drift"] = drift(pred[k], complete[k, ..., :3], complete[k, ..., 3:])
-            m["raw_drift"] = drift(pred[k], complete[k, ..., :3], complete[k, ..., 3:], normalise=False)
+            m = sequence_metrics(pred[k], complete[k, ..., :3], complete[k, ..., 3:], occluded[k])
             for key, value in m.items():
                 per.setdefault(f"{KEYS[name]}/{key}", []).append(value)
     metrics = {k: float(np.mean(v)) for k, v in per.items()}

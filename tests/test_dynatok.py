@@ -164,3 +164,24 @@ def test_parameter_asymmetry_the_claims_note_states():
     assert size["deterministic"] < size["per_frame"]
     assert "parameters" in dt.PAPER.claim.note
 
+
+
+def test_sequence_metrics_equal_the_metrics_computed_one_by_one():
+    # evaluation computes the decoded-to-GT distances once per sequence; every metric must be what the separate
+    # computations give, bit for bit (Chamfer as chamfer_terms' mean of squared distances, both drifts)
+    g = torch.Generator().manual_seed(0)
+    gt, seen = torch.rand(4, 96, 3, generator=g), torch.rand(4, 40, 3, generator=g)
+    pred, u = gt + 0.05 * torch.randn(4, 96, 3, generator=g), torch.rand(1, 96, 3, generator=g).expand(4, -1, -1)
+    occluded = dt.occluded_mask(gt, seen, 0.1)
+    assert 0 < occluded.float().mean() < 1  # both kinds of GT point occur
+    m = dt.sequence_metrics(pred, gt, u, occluded)
+    assert m["chamfer"] == float(dt.chamfer_terms(pred, gt).sum(-1).mean())
+    dist = torch.cdist(pred, gt)
+    occ = (dist.min(-2).values.pow(2) * occluded).sum() / occluded.sum()
+    assert m["occluded_chamfer"] == float(occ)
+    assert {k: m[k] for k in ("chamfer", "fscore", "occluded_chamfer")} == dt.frame_metrics(pred, gt, seen, 0.1)
+    nn_idx = dist.argmin(-1)
+    uu = torch.gather(u, 1, nn_idx[..., None].expand(-1, -1, 3))
+    moved = (uu[1:] - uu[:-1]).norm(dim=-1).mean()
+    assert m["raw_drift"] == float(moved) == dt.drift(pred, gt, u, normalise=False)
+    assert m["drift"] == float(moved / (uu - uu.roll(48, dims=1)).norm(dim=-1).mean()) == dt.drift(pred, gt, u)
