@@ -307,15 +307,56 @@ def prepare(p: Params, out_dir: Path) -> None:
 # ---- DrAction: the differentiable, format-agnostic renderer ----------------------------------------------------
 def segment_field(a: torch.Tensor, b: torch.Tensor, sigma: torch.Tensor, size: int) -> torch.Tensor:
     """Soft segments a->b (..., E, 2) in [-0.5, 0.5]^2 (u right, v down) on a size^2 grid: (..., HW, E) intensities
-    exp(-d^2 / 2 sigma^2), d = distance from the pixel centre to the segment. Written per coordinate: the renderer's
-    cost is these (B, K, S, HW, E) passes, and stacked (u, v) pairs cost twice as much on CPU."""
+    exp(-d^2 / 2 sigma^2), d = distance from the pixel centre to the segment. The forward pass is
+    `segment_field_ref`'s, op for op (the same values); the backward is written out (`_SegmentField`)."""
+    return _SegmentField.apply(a, b, sigma, size)
+
+
+def _field_terms(a: torch.Tensor, b: torch.Tensor, sigma: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
+    """The field and what its gradient needs: s (the nearest point's position along the segment) and the offset
+    e = pixel - nearest point (eu, ev), each (..., HW, E). Written per coordinate: stacked (u, v) pairs cost twice as
+    much on CPU."""
     g = (torch.arange(size, dtype=a.dtype) + 0.5) / size - 0.5
     pu, pv = g.repeat(size)[:, None], g.repeat_interleave(size)[:, None]  # (HW, 1): column, row of pixel p
     ax, ay = a[..., None, :, 0], a[..., None, :, 1]  # (..., 1, E)
     dx, dy = b[..., None, :, 0] - ax, b[..., None, :, 1] - ay
     ru, rv = pu - ax, pv - ay  # (..., HW, E)
     s = ((ru * dx + rv * dy) * (1 / (dx * dx + dy * dy + 1e-8))).clamp(0, 1)  # projection onto the segment
-    return torch.exp(((ru - s * dx) ** 2 + (rv - s * dy) ** 2) * (-0.5 / sigma**2))
+    eu, ev = ru - s * dx, rv - s * dy
+    return torch.exp((eu**2 + ev**2) * (-0.5 / sigma**2)), s, eu, ev
+
+
+def segment_field_ref(a: torch.Tensor, b: torch.Tensor, sigma: torch.Tensor, size: int) -> torch.Tensor:
+    """`segment_field` differentiated by autograd through every op (the reference its backward is tested against)."""
+    return _field_terms(a, b, sigma, size)[0]
+
+
+class _SegmentField(torch.autograd.Function):
+    """The renderer's cost is these (B, K, S, HW, E) passes, and autograd's backward through the dozen elementwise
+    ops of the field is most of it. Written out: d^2 = |e|^2 with e = p - (1 - s) a - s b at the nearest point s, so
+    (the derivative along s vanishes at the nearest point, and s is held where it is clamped)
+    dd^2/da = -2 (1 - s) e, dd^2/db = -2 s e, and df/dd^2 = -f / 2 sigma^2, df/dsigma = f d^2 / sigma^3."""
+
+    @staticmethod
+    def forward(ctx, a, b, sigma, size):
+        f, s, eu, ev = _field_terms(a, b, sigma, size)
+        ctx.save_for_backward(f, s, eu, ev, sigma)
+        return f
+
+    @staticmethod
+    def backward(ctx, grad):
+        f, s, eu, ev, sigma = ctx.saved_tensors
+        gf = grad * f  # (..., HW, E)
+        ga = gb = gs = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            w = gf * (1 / sigma**2)  # = -2 dL/dd^2
+            wb = w * s
+            wa = w - wb
+            ga = torch.stack([(wa * eu).sum(-2), (wa * ev).sum(-2)], -1)  # (..., E, 2)
+            gb = torch.stack([(wb * eu).sum(-2), (wb * ev).sum(-2)], -1)
+        if ctx.needs_input_grad[2]:
+            gs = ((gf * (eu**2 + ev**2)).sum() / sigma**3).expand_as(sigma)
+        return ga, gb, gs, None
 
 
 def normalise(joints: torch.Tensor) -> torch.Tensor:
