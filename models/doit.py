@@ -13,8 +13,9 @@ What it implements (function names in brackets):
   DOIT-Practical: one-jump x0_hat(x^(m)) reusing the current eps, self-normalised weights
   softmax((r - mean r) / (std r tau)), correction on every step but the last [practical_log_h];
 - offline RL: a diffusion behaviour policy pi_beta(a | s) (MLP denoiser, DDPM) and an IQL critic (expectile
-  regression), trained in one engine with the toy model [EnvNets, iql_losses, train]; the reward r(s, a) = Q(s, a)
-  or its quantised r = round(Q / q) q, both called under no_grad [make_reward];
+  regression), trained in one engine with the toy model, each network its own arm with its own gradient clip
+  [EnvNets, iql_losses, train, network_arms]; the reward r(s, a) = Q(s, a) or its quantised r = round(Q / q) q,
+  both called under no_grad [make_reward];
 - baselines: the pretrained policy, Best-of-N resampling (N matched to DOIT-Practical's network evaluations),
   DPS-style gradient guidance with grad_a Q (Q reward only), SVDD soft value decoding; Best-of-N and SVDD draw the
   kept sample with DOIT-Practical's standardised weights [ddpm_sample, best_of_n, gradient_guided, svdd_sample,
@@ -356,7 +357,18 @@ def train(ctx) -> None:
         return total, metrics
 
     ctx.progress(f"behaviour diffusion + IQL on {envs} and the toy model, {p.steps} steps in one engine")
-    ctx.fit("all", ctx.engine(model, p.lr, arms=model), step_fn, batch_fn, p.steps)
+    ctx.fit("all", ctx.engine(model, p.lr, arms=network_arms(model)), step_fn, batch_fn, p.steps)
+
+
+def network_arms(model: nn.ModuleDict) -> dict[str, nn.Module]:
+    """One arm (own AdamW group, own gradient clip) per trained network: each task's behaviour diffusion, twin
+    critics and value net, and the toy model. A task's networks in one arm share one clip, so the critics' growing
+    gradient norm would scale down the behaviour diffusion's updates (the target critics are frozen copies)."""
+    arms: dict[str, nn.Module] = {"toy": model["toy"]}
+    for key, nets in model.items():
+        if key != "toy":
+            arms |= {f"{key}/{part}": getattr(nets, part) for part in ("policy", "q1", "q2", "v")}
+    return arms
 
 
 # ---- samplers: the pretrained model, DOIT and the baselines ------------------------------------------------------
