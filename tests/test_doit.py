@@ -201,3 +201,59 @@ def test_critic_rank_premise_reads_whether_q_prefers_the_controller():
     names = {c.name for c in doit.PAPER.claim.premises}
     assert names == {"behaviour_policy_learned", "critic_ranks_actions"}
     assert [c.left for c in doit.PAPER.claim.context] == ["method/flops_per_action"]
+
+
+def test_behaviour_policy_is_clipped_apart_from_the_critics():
+    """Each network (behaviour diffusion, twin critics, value net, toy model) is its own arm: every trainable
+    parameter in exactly one, and with the summed loss the behaviour diffusion trains exactly as it would alone,
+    while one clip over a task's networks (the old layout) lets the critics' gradient norm shrink its steps."""
+    from tasks.context import ArmsAdamW, _arm_groups
+
+    p = doit.Params(hidden=16, diffusion_steps=5, reward_scale=10.0)  # large rewards: a critic gradient norm >> 1
+    model = doit.build(p, {"Pendulum-v1": (3, 1, 2.0)})
+    arms = doit.network_arms(model)
+    assert sorted(arms) == ["pendulum/policy", "pendulum/q1", "pendulum/q2", "pendulum/v", "toy"]
+    groups = _arm_groups(model, arms, 1.0)
+    assert {id(q) for g in groups for q in g["params"]} == {id(q) for q in model.parameters() if q.requires_grad}
+    nets, sched = model["pendulum"], doit.Schedule(p.diffusion_steps)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def policy_after(mode: str, steps: int = 3) -> torch.Tensor:
+        model.load_state_dict(start)
+        if mode == "arms":
+            opt = ArmsAdamW(_arm_groups(model, doit.network_arms(model), 1.0), lr=1e-2, weight_decay=0.0,
+                            partitioned=False)
+        else:  # "alone": the policy only; "task": the task's networks as one arm under one clip
+            params = list(nets.policy.parameters()) if mode == "alone" else [q for q in nets.parameters()
+                                                                               if q.requires_grad]
+            opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)
+            b = {"s": torch.randn(64, 3, generator=g), "a": torch.rand(64, 1, generator=g) * 2 - 1,
+                 "s2": torch.randn(64, 3, generator=g), "r": torch.randn(64, generator=g) * 10,
+                 "done": torch.zeros(64)}
+            model.zero_grad()
+            loss = doit.diffusion_loss(nets.policy, b["a"], nets.norm(b["s"]), sched, torch.Generator().manual_seed(9))
+            if mode != "alone":
+                loss = loss + doit.iql_losses(nets, b, p)[0]
+            loss.backward()
+            if mode != "arms":
+                torch.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"], 1.0)
+            opt.step()
+        return torch.cat([q.detach().flatten() for q in nets.policy.parameters()])
+
+    first = torch.cat([start[n].flatten() for n, _ in model.named_parameters() if n.startswith("pendulum.policy.")])
+    alone, beside, task = policy_after("alone"), policy_after("arms"), policy_after("task")
+    assert torch.allclose(alone, beside, atol=1e-6) and (alone - first).abs().max() > 1e-3
+    assert (task - alone).abs().max() > 1e-3  # the shared clip moved the policy elsewhere
+
+
+def test_random_policy_share_is_exactly_the_parameter():
+    """The mixing ratio is a parameter: each seed draws which episodes are random, never how many (a per-episode
+    coin gave 8-23 % random episodes over smoke's seeds, and the behaviour clone's score followed it)."""
+    for seed in range(3):
+        p = doit.Params(seed=seed, n_transitions=2000, random_share=0.3)  # 10 episodes of 200 steps
+        data = doit._generate("Pendulum-v1", p, 0)
+        gap = np.abs(data["a"] - reference_controller("Pendulum-v1", data["s"]).clip(-2, 2))[:, 0]  # (N,)
+        per_episode = np.array([gap[data["episode"] == e].mean() for e in range(10)])
+        assert (per_episode > 0.8).sum() == 3  # noise std 0.5: ~0.4 from the controller; uniform actions ~1.2
