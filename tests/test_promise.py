@@ -280,3 +280,43 @@ def test_mmcif_loader_on_fixture(tmp_path):
     assert np.allclose(xyz[: len(seq)], a, atol=2e-3) and np.allclose(xyz[len(seq) : 2 * len(seq)], b, atol=2e-3)
     pm.prepare(pm.Params(source="mmcif", mmcif_dir=str(tmp_path)), tmp_path)
     assert (tmp_path / "targets.parquet").exists()
+
+
+def test_beating_the_nearest_structure_takes_the_hinge_position(tmp_path):
+    """Why the premises `*_beats_nearest` test learning, not templating: on the one-state conditions (induced, no
+    context), a distance regressor that fits its loss perfectly but knows only the sequence offset |i - j| and the
+    length (the solution every decoder reaches first) gives, after classical MDS, structures no nearer than the
+    nearest training structure; one that also knows where the hinge residue sits beats it by far."""
+    from collections import defaultdict
+
+    p = pm.Params(n_targets=150, n_test=15, length=(16, 24), examples=8, seed=1)
+    pm.prepare(p, tmp_path)
+    d = pm._load(tmp_path)
+    t = d["t"]
+    hinge = {tid: next(i for i, c in enumerate(s) if c in pm.HINGE.values())
+             for tid, s in zip(t["target_id"], t["sequence"], strict=True)}
+    plain = (t["mechanism"] != "intrinsic") & (t["context_tokens"] == "")  # every training row shows A
+    sums = {k: defaultdict(list) for k in ("offset", "hinge")}
+    for tid in dict.fromkeys(t["target_id"][plain & (t["split"] == "train")]):
+        x, h = d["refs"][(tid, "A")], hinge[tid]
+        dist = np.linalg.norm(x[:, None] - x[None], axis=-1)
+        for (i, j), v in np.ndenumerate(dist):
+            sums["offset"][(len(x), i - j)].append(v)
+            sums["hinge"][(len(x), i - h, j - h)].append(v)
+    mean = {k: {key: np.mean(v) for key, v in s.items()} for k, s in sums.items()}
+    train = np.flatnonzero(t["split"] == "train")
+    train_seqs = dict(zip(t["target_id"][train], t["sequence"][train], strict=True))
+    rmsd = defaultdict(list)
+    for tid in dict.fromkeys(t["target_id"][plain & (t["split"] == "test")]):
+        x, h, n = d["refs"][(tid, "A")], hinge[tid], len(d["refs"][(tid, "A")])
+        near = pm.nearest_reference(train_seqs, dict(zip(t["target_id"], t["sequence"], strict=True))[tid])
+        shown_b = (t["state"][train][t["target_id"][train] == near] == "B").mean()
+        rmsd["nearest"].append(pm._rmsd_to_refs(d["refs"][(near, "B" if shown_b > 0.5 else "A")][None],
+                                                x, d["refs"][(tid, "B")]).min())
+        off = np.array([[mean["offset"][(n, i - j)] for j in range(n)] for i in range(n)])
+        rel = np.array([[mean["hinge"].get((n, i - h, j - h), off[i, j]) for j in range(n)] for i in range(n)])
+        for k, dist in (("offset", off), ("hinge", rel)):
+            rmsd[k].append(pm.kabsch_rmsd(pm.classical_mds(dist), x))
+    nearest, offset, hinge_aware = (float(np.mean(rmsd[k])) for k in ("nearest", "offset", "hinge"))
+    assert offset > 0.9 * nearest  # the offset solution does not beat copying the nearest training structure
+    assert hinge_aware < 0.5 * nearest  # the hinge's position does
