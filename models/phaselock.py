@@ -204,9 +204,9 @@ class STBlock(nn.Module):
 
     def __init__(self, c_in: int, c_out: int, emb: int):
         super().__init__()
-        self.n1, self.conv1 = nn.GroupNorm(min(8, c_in), c_in), nn.Conv2d(c_in, c_out, 3, padding=1)
+        self.n1, self.conv1 = nn.GroupNorm(math.gcd(8, c_in), c_in), nn.Conv2d(c_in, c_out, 3, padding=1)
         self.emb = nn.Linear(emb, c_out)
-        self.n2, self.conv2 = nn.GroupNorm(min(8, c_out), c_out), nn.Conv2d(c_out, c_out, 3, padding=1)
+        self.n2, self.conv2 = nn.GroupNorm(math.gcd(8, c_out), c_out), nn.Conv2d(c_out, c_out, 3, padding=1)
         self.temporal = nn.Conv1d(c_out, c_out, 3, padding=1)
         self.skip = nn.Conv2d(c_in, c_out, 1) if c_in != c_out else nn.Identity()
 
@@ -233,7 +233,7 @@ class SpaceTimeUNet(nn.Module):
         self.down1, self.down2 = STBlock(c1, c1, emb), STBlock(c1, c2, emb)
         self.mid = STBlock(c2, c2, emb)
         self.up2, self.up1 = STBlock(2 * c2, c2, emb), STBlock(c2 + c1, c1, emb)
-        self.out = nn.Sequential(nn.GroupNorm(min(8, c1), c1), nn.SiLU(), nn.Conv2d(c1, 1, 3, padding=1))
+        self.out = nn.Sequential(nn.GroupNorm(math.gcd(8, c1), c1), nn.SiLU(), nn.Conv2d(c1, 1, 3, padding=1))
 
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         b, frames, _, s, _ = x_t.shape

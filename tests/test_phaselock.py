@@ -157,6 +157,18 @@ def test_networks_shapes_and_time_conditioning():
     assert set(losses) == {"v", "ae"} and all(torch.isfinite(v) for v in losses.values())
 
 
+def test_unet_takes_widths_that_are_not_multiples_of_8():
+    """GroupNorm takes gcd(8, width) groups: 8 for the widths of before (bitwise the same), 4 for 12 or 36."""
+    unet = pl.SpaceTimeUNet(4, (12, 24))
+    groups = {m.num_channels: m.num_groups for m in unet.modules() if isinstance(m, torch.nn.GroupNorm)}
+    assert groups == {12: 4, 24: 8, 36: 4, 48: 8}
+    assert all(m.num_groups == 8 for m in pl.SpaceTimeUNet(4, (16, 32)).modules()
+               if isinstance(m, torch.nn.GroupNorm))
+    x = _video(t=4)
+    v = unet(x, torch.tensor([10, 900]), x[:, 0])
+    assert v.shape == x.shape and torch.isfinite(v).all()
+
+
 def test_load_physics_iq_decodes_mp4(tmp_path):
     """Physics-IQ ships mp4: decoded with PyAV, grayscale, first n_frames, area-resized."""
     import av
