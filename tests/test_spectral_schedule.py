@@ -190,3 +190,30 @@ def test_edm_sampler_at_the_premise_nfe_reaches_real_fields_with_the_exact_denoi
     floor = frechet_distance(real, fresh)
     assert sfd[p.premise_nfe] < 3 * floor + 0.5 and sfd[p.premise_nfe] < bar / 5
     assert sfd[9] > bar
+
+
+def _prior_fields(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return ss.gaussian_random_fields(n, 16, rng.uniform(-2, 2, n), rng.uniform(1, 4, n), rng)  # (n, 1, 16, 16)
+
+
+def test_smoke_real_set_is_large_enough_that_its_own_draw_barely_moves_the_sfd():
+    """The SFD compares generated spectra with the held-out real set: a small real set is itself a noisy draw of the
+    field prior, and that noise moved a replicate's premise by points at 256 fields. At smoke's holdout the distance
+    from a real set to a large pool of the same prior stays small against the premise's bar (a quarter of white
+    noise's SFD), and well below what 256 fields give."""
+    from pathlib import Path
+
+    import yaml
+
+    smoke = yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text())["papers"]["spectral_schedule"]
+    smoke = ss.Params(**{k: v for k, v in smoke["smoke"].items() if k not in ("replicates", "ranks", "threads")})
+    assert smoke.n_images - smoke.holdout >= 1744  # the real set is not taken from the training set
+    fields = _prior_fields(8192, 1)
+    pool = ss.log_spectra(fields)
+    spread = {n: [frechet_distance(pool, ss.log_spectra(_prior_fields(n, 100 + k))) for k in range(8)]
+              for n in (256, smoke.holdout)}
+    noise = np.random.default_rng(0).standard_normal((1024, 1, 16, 16)) * fields.std()  # the premise's reference
+    white = frechet_distance(pool, ss.log_spectra(noise))
+    assert max(spread[smoke.holdout]) < 0.02 * (ss.PREMISE_FRACTION * white)
+    assert np.median(spread[smoke.holdout]) < np.median(spread[256]) / 3
