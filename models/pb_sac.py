@@ -21,6 +21,8 @@ What it implements (function names in brackets):
   validation estimate of E_rho L from independently reset episodes [evaluate]. The chain is the reset chain: whole
   episodes from fresh seeds, played side by side and laid end to end, so that a chain many mixing times long costs
   a few batched episodes rather than n single steps.
+- critic 1's fit beside a yardstick on the certificate chain (detail, no claim part): its mean weights' loss and
+  that of a critic predicting the chain's mean target everywhere [fit_yardsticks];
 - baselines: SAC (same budget, networks), SAC + post-hoc Gaussian posterior around its critic 1 with sigma on the
   grid (prior N(theta_init, sigma^2 I), union bound), the i.i.d. bound on both posteriors, and the trivial
   certificate 1 (the loss lies in [0, 1]) that "non-vacuous" is measured against.
@@ -485,6 +487,19 @@ def _losses(agent: Agent, tr: dict[str, torch.Tensor], p: Params, c: float, samp
     return certified_loss(q, y, c)
 
 
+def fit_yardsticks(agent: Agent, tr: dict[str, torch.Tensor], p: Params, c: float, seed: int) -> dict[str, float]:
+    """Critic 1's fit beside a yardstick, on the targets `_losses(..., seed)` scores: the certified loss at its mean
+    weights (no weight noise) and that of a critic predicting the chain's mean target everywhere (what learning the
+    level of Q alone achieves). The prior's loss measures how far the targets lie from the prior's output, which
+    follows the policy's chain; the constant critic says whether the posterior fits more than that level."""
+    g = torch.Generator().manual_seed(seed)
+    y = soft_target(agent, tr["r"], tr["s2"], tr["terminal"], p.gamma, generator=g)
+    with torch.no_grad():
+        q = agent.q1(tr["s"], tr["a"])  # (N,) at the mean weights
+    return {"mean_emp_loss": float(certified_loss(q, y, c).mean()),
+            "const_emp_loss": float(certified_loss(y.mean().expand_as(y), y, c).mean())}
+
+
 def certify(agent: Agent, chain: dict[str, torch.Tensor], val: dict[str, torch.Tensor], p: Params, c: float,
             posthoc: bool) -> dict[str, float]:
     """Every bound of one posterior on the chain, min over the sigma grid (union bound: delta / |grid|)."""
@@ -514,6 +529,7 @@ def certify(agent: Agent, chain: dict[str, torch.Tensor], val: dict[str, torch.T
     if not posthoc:  # the training prior N(theta_init, sigma_0^2 I) on the same chain and targets: what rho learned
         prior = _losses(agent, chain, p, c, p.cert_samples, p.seed, weights=agent.q1.prior_mu(), sigma=p.prior_sigma)
         kept[sigma]["prior_emp_loss"] = float(prior.mean())
+        kept[sigma] |= fit_yardsticks(agent, chain, p, c, p.seed)
     if posthoc:
         val_loss = float(_losses(agent, val, p, c, p.cert_samples, p.seed + 1, weights=agent.q1.mu(),
                                  sigma=sigma).mean())

@@ -237,3 +237,27 @@ def test_posterior_moves_from_its_prior_only_at_the_chains_n_eff():
                 out[n_eff] = (float(agent.q1.kl(p.prior_sigma)), gain)
     assert out[100.0][0] > 10 * out[2.0][0]  # the posterior moves much further from its prior (0.45 vs 0.01 nats)
     assert out[100.0][1] > 3 * max(out[2.0][1], 0.0)  # and fits the targets better (0.012 vs 0.002)
+
+
+def test_fit_yardsticks_score_the_mean_weights_and_the_mean_target_critic():
+    """fit_yardsticks scores critic 1's mean weights on the certificate's targets beside a critic predicting the
+    chain's mean target: a critic 1 set to output that mean everywhere scores exactly the yardstick, and one shifted
+    off it scores worse (the mean minimises the squared error; the shift keeps every loss below the clip)."""
+    p = pb_sac.Params(hidden=8, cert_samples=4)
+    torch.manual_seed(0)
+    agent = pb_sac._build(p, "Pendulum-v1", c=50.0)["pbsac"]
+    chain = pb_sac._flat(pb_sac.run_episodes("Pendulum-v1", pb_sac._policy(agent.actor, False, 0), [1, 2]))
+    y = pb_sac.soft_target(agent, chain["r"], chain["s2"], chain["terminal"], p.gamma,
+                           generator=torch.Generator().manual_seed(7))
+    assert float(((y - y.mean()) / 1000.0).abs().max()) < 1.0  # c = 1000 below: no loss reaches the clip
+    last = agent.q1.layers[-1]
+    with torch.no_grad():
+        last.weight.zero_()
+        last.bias.fill_(float(y.mean()) / agent.q1.out_scale)  # Q = mean target everywhere
+    at_mean = pb_sac.fit_yardsticks(agent, chain, p, 1000.0, seed=7)
+    assert math.isclose(at_mean["mean_emp_loss"], at_mean["const_emp_loss"], rel_tol=1e-5)
+    with torch.no_grad():
+        last.bias.add_(20.0 / agent.q1.out_scale)  # Q = mean target + 20
+    off = pb_sac.fit_yardsticks(agent, chain, p, 1000.0, seed=7)
+    assert off["const_emp_loss"] == at_mean["const_emp_loss"]
+    assert math.isclose(off["mean_emp_loss"], off["const_emp_loss"] + 20.0**2 / 1000.0**2, rel_tol=1e-3)
