@@ -37,8 +37,9 @@ Deviations from the paper (choices the abstract left open):
   instead of inducing an unseen program from 3 single-digit examples. The gates review the examples alone.
 - SFT (on a pool of fresh seed-family instances, `sft_pool`) is supervised on every answer of a prompt, the solved
   examples' too: with the rule stated first, each is that rule's output on the list before it.
-- GRPO runs at the spec's KL weight 0.02 and the module's default learning rate (1e-3); neither is tuned on the
-  held-out suites (there is no validation split to tune them on).
+- GRPO runs at the spec's KL weight 0.02; the smoke profile's learning rate was chosen on the arms' own training
+  pools (greedy accuracy after the GRPO steps, the same rate for every arm), never on the held-out suites (there is
+  no validation split to tune on).
 - Premises: the SFT policy beats the answer prior (each held-out category's most frequent answer, always), and
   every GRPO arm ends above its SFT start on the held-out suites; where one fails, the data-source comparison is
   inconclusive.
