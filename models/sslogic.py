@@ -20,8 +20,8 @@ What it implements (function names in brackets):
   `review_budget` programs (each chain of list operators computed once, for all lists at once [BlindReviewer]);
   an instance is ambiguous when a program fits the examples but answers the query differently; the family is
   rejected as ill-posed (too many ambiguous instances) or trivial (answer entropy < 1 bit);
-- the RLVR policy: a char-level TinyLM; SFT on seed-family instances, then GRPO (group size 8, KL 0.02 to the SFT
-  policy, validator 0/1 reward) for 5 arms in lock-step in one DeepSpeed engine [grpo_loss, train];
+- the RLVR policy: a char-level TinyLM; SFT on seed-family instances [answer_targets], then GRPO (group size 8, KL
+  0.02 to the SFT policy, validator 0/1 reward) for 5 arms in lock-step in one DeepSpeed engine [grpo_loss, train];
 - evaluation on held-out suites built by their own sampler (SynLogic analogue: depth-2/3 and conditional families;
   KORBench analogue: logic and operation), every 20 steps, step- and token-matched [evaluate].
 
@@ -33,10 +33,13 @@ Deviations from the paper (choices the abstract left open):
 - Seed-only arm: seed families at new seeds and difficulties; evolved arm: seed + accepted evolved families; no-gate
   arm: seed + every candidate that passed Gate 1; pools have equal instance counts.
 - The policy's prompts state the family's rule (`state_rule`, our choice): its spec in one character per DSL word
-  stands before the query ("e1>a1;e2>a2;e3>a3;Mse:q>"), so the policy executes a stated rule on the held-out
-  suites instead of inducing an unseen program from 3 single-digit examples. The gates review the examples alone.
-- GRPO runs at the spec's KL weight 0.02 and the module's default learning rate (1e-3); neither is tuned on the
-  held-out suites (there is no validation split to tune them on).
+  opens the prompt ("Mse:e1>a1;e2>a2;e3>a3;q>"), so the policy executes a stated rule on the held-out suites
+  instead of inducing an unseen program from 3 single-digit examples. The gates review the examples alone.
+- SFT (on a pool of fresh seed-family instances, `sft_pool`) is supervised on every answer of a prompt, the solved
+  examples' too: with the rule stated first, each is that rule's output on the list before it.
+- GRPO runs at the spec's KL weight 0.02; the smoke profile's learning rate was chosen on the arms' own training
+  pools (greedy accuracy after the GRPO steps, the same rate for every arm), never on the held-out suites (there is
+  no validation split to tune on).
 - Premises: the SFT policy beats the answer prior (each held-out category's most frequent answer, always), and
   every GRPO arm ends above its SFT start on the held-out suites; where one fails, the data-source comparison is
   inconclusive.
@@ -96,6 +99,10 @@ class Params(PaperParams):
     sft_steps: int = Field(80, ge=1)
     sft_batch: int = Field(64, ge=1)
     sft_lr: float = Field(3e-3, gt=0)
+    sft_warmup: int = Field(0, ge=0, description="SFT: linear warm-up steps.")
+    sft_decay: Literal["constant", "cosine"] = Field("constant", description="SFT: learning-rate decay after warm-up.")
+    sft_pool: int = Field(400, ge=8, description="SFT instances of the seed families (fresh seeds; no GRPO arm "
+                          "reads them).", json_schema_extra={"data": True})
     grpo_steps: int = Field(100, ge=1)
     prompts_per_step: int = Field(16, ge=1, description="GRPO prompts per step and arm.")
     group: int = Field(8, ge=2, description="GRPO group size (samples per prompt).")
@@ -202,12 +209,15 @@ RULE_CODE = {  # the spec's words, one character each (the policy's alphabet is 
 def rule_code(fam: dict) -> str:
     """The family's rule in prefix form, one character a word: "Mse" = max(sort(even(x))), "?GA|B" = if long(x)
     then A else B. The mod-10 answer format is stated where it can change an answer: sum mod 10 is sum10 ("T"),
-    a count (len, ceven) mod 10 is "%L", "%C"; every other reducer returns a digit already."""
+    a count (len, ceven) mod 10 is "%L", "%C" where the family's lists can reach 10 elements; every other reducer
+    returns a digit already."""
+    counts_wrap = fam["hi"] + (2 if fam["knob"] == "len" else 0) >= 10  # the longest list _draw can make
+
     def code(prog: tuple) -> str:
         if prog[0] == "if":
             return f"?{RULE_CODE[prog[1]]}{code(prog[2])}|{code(prog[3])}"
         red = prog[1]
-        if fam["fmt"] == "mod10" and red in ("sum", "len", "ceven"):
+        if fam["fmt"] == "mod10" and (red == "sum" or (red in ("len", "ceven") and counts_wrap)):
             red = "sum10" if red == "sum" else red
             head = ("" if red == "sum10" else "%") + RULE_CODE[red]
         else:
@@ -236,8 +246,8 @@ def _draw(fam: dict, rng: np.random.Generator, difficulty: int) -> list[int]:
 
 def generate(fam: dict, seed: int, difficulty: int, rule: bool = False) -> dict:
     """Generator(seed, difficulty) -> prompt "e1>a1;e2>a2;e3>a3;q>" (3 solved examples and a query) and answer;
-    `rule`: the rule's code stands before the query ("e1>a1;e2>a2;e3>a3;Mse:q>"), where a prompt cut to the
-    policy's length keeps it."""
+    `rule`: the rule's code opens the prompt ("Mse:e1>a1;e2>a2;e3>a3;q>"), so every answer in it, the examples'
+    too, is the stated rule run on the list before it."""
     rng = np.random.default_rng([seed, difficulty, *fam["id"].encode()])
     lists, answers = [], []
     for _ in range(4):
@@ -253,16 +263,16 @@ def generate(fam: dict, seed: int, difficulty: int, rule: bool = False) -> dict:
             raise ValueError("no valid input after 20 draws")
         lists.append(x)
     enc = ["".join(map(str, x)) for x in lists]
-    prompt = ";".join(f"{e}>{a}" for e, a in zip(enc[:3], answers[:3], strict=True))
-    prompt += f";{rule_code(fam)}:{enc[3]}>" if rule else f";{enc[3]}>"
+    prompt = ";".join(f"{e}>{a}" for e, a in zip(enc[:3], answers[:3], strict=True)) + f";{enc[3]}>"
+    prompt = f"{rule_code(fam)}:{prompt}" if rule else prompt
     return {"prompt": prompt, "answer": str(answers[3]), "lists": lists, "answers": answers}
 
 
 def parse(prompt: str) -> tuple[list[list[int]], list[int], list[int]]:
     """Prompt -> (example lists, example answers, query list); a stated rule is skipped."""
-    parts = prompt.rstrip(">").split(";")
+    parts = prompt.split(":")[-1].rstrip(">").split(";")
     ex = [p.split(">") for p in parts[:-1]]
-    return [[int(c) for c in e] for e, _ in ex], [int(a) for _, a in ex], [int(c) for c in parts[-1].split(":")[-1]]
+    return [[int(c) for c in e] for e, _ in ex], [int(a) for _, a in ex], [int(c) for c in parts[-1]]
 
 
 def validate(fam: dict, prompt: str, answer: str) -> bool:
@@ -611,8 +621,9 @@ def prepare(p: Params, out_dir: Path) -> None:
     n = p.pool_size
     pools = {"sft": seeds, "evolved": seeds + evolved, "seed_only": seeds, "no_gate": seeds + no_gate,
              "external_only": external}
-    tables = [instances(fams or seeds, n, 10_000 * (k + 1), name, p.state_rule)
-              for k, (name, fams) in enumerate(pools.items())]
+    # generator seeds: each pool its own range (the SFT pool's 10**6 on, clear of the arms' up to 3 x its size)
+    tables = [instances(fams or seeds, p.sft_pool if name == "sft" else n, 10**6 if name == "sft" else 10_000 * (k + 1),
+                        name, p.state_rule) for k, (name, fams) in enumerate(pools.items())]
     mix = instances(evolved or seeds, n // 2, 70_000, "external_plus_evolved", p.state_rule)
     ext_half = {c: v[: n - len(mix["prompt"])] for c, v in tables[-1].items()}
     tables.append(_concat(mix, ext_half | {"pool": ["external_plus_evolved"] * len(ext_half["pool"])}))
@@ -672,16 +683,42 @@ def _load(data_dir: Path) -> dict:
             "pools": {a: np.flatnonzero(inst["pool"] == a) for a in ("sft", *ARMS)}}
 
 
+def cut(s: str, max_len: int) -> str:
+    """A prompt cut to `max_len` characters: its tail, after a stated rule where it has one (the rule and the
+    query stay, the oldest examples go)."""
+    if len(s) <= max_len:
+        return s
+    head, sep, body = s.partition(":")
+    return head + sep + body[len(body) - (max_len - len(head) - 1):] if sep and len(head) < max_len // 2 else \
+        s[-max_len:]
+
+
 def encode(prompts, alphabet: str, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded char ids (N, max_len) (0 = pad) and lengths (N,); the answer is read at position len - 1."""
+    """Right-padded char ids (N, T) (0 = pad; T the longest prompt, at most max_len: with a causal policy the
+    padding changes no logit a prompt reads) and lengths (N,); the answer is read at position len - 1."""
     code = {c: 1 + alphabet.index(c) for c in set(alphabet)}
-    ids = np.zeros((len(prompts), max_len), dtype=np.int64)
+    cuts = [cut(s, max_len) for s in prompts]
+    ids = np.zeros((len(prompts), max([1, *map(len, cuts)])), dtype=np.int64)
     lens = np.zeros(len(prompts), dtype=np.int64)
-    for i, s in enumerate(prompts):
-        s = s[-max_len:]
+    for i, s in enumerate(cuts):
         ids[i, : len(s)] = [code[c] for c in s]
         lens[i] = len(s)
     return torch.from_numpy(ids), torch.from_numpy(lens)
+
+
+def answer_targets(prompts, answers, alphabet: str, max_len: int) -> torch.Tensor:
+    """(N, T) SFT targets aligned with `encode`: the query's answer at position len - 1 and, where the prompt states
+    its rule (every answer in it is then that rule's output), each solved example's answer at its '>'; -100
+    (ignored) elsewhere."""
+    code = {c: 1 + alphabet.index(c) for c in set(alphabet)}
+    cuts = [cut(s, max_len) for s in prompts]
+    tgt = np.full((len(prompts), max([1, *map(len, cuts)])), -100, dtype=np.int64)
+    for i, (s, a) in enumerate(zip(cuts, answers, strict=True)):
+        tgt[i, len(s) - 1] = code[a[0]]
+        if ":" in s:
+            at = np.flatnonzero(np.frombuffer(s[:-1].encode(), dtype=np.uint8) == ord(">"))
+            tgt[i, at] = [code[s[j + 1]] for j in at]
+    return torch.from_numpy(tgt)
 
 
 def _policy(p: Params, vocab: int) -> TinyLM:
@@ -752,19 +789,21 @@ def train(ctx) -> None:
     d = _load(ctx.data_dir)
     inst, vocab = d["inst"], 1 + len(d["alphabet"])
     policy = _policy(p, vocab)
-    target = torch.tensor([1 + d["alphabet"].index(a[0]) for a in inst["answer"]])  # (N,)
 
     def sft_batch(step: int) -> dict[str, torch.Tensor]:
         rng = np.random.default_rng([p.seed, 2, step])
         rows = d["pools"]["sft"][rng.integers(len(d["pools"]["sft"]), size=p.sft_batch)]
-        ids, lens = encode(inst["prompt"][rows], d["alphabet"], p.max_prompt)
-        return {"ids": ids, "lens": lens, "target": target[rows]}
+        ids, _ = encode(inst["prompt"][rows], d["alphabet"], p.max_prompt)
+        return {"ids": ids, "target": answer_targets(inst["prompt"][rows], inst["answer"][rows], d["alphabet"],
+                                                     p.max_prompt)}
 
-    def sft_step(engine, batch, step):
-        return F.cross_entropy(answer_logits(engine, batch["ids"], batch["lens"]), batch["target"]), {}
+    def sft_step(engine, batch, step):  # every answer of a stated rule's prompt; the query's alone without one
+        logits = engine(batch["ids"])  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1), batch["target"].flatten(), ignore_index=-100), {}
 
     ctx.progress(f"policy: {sum(x.numel() for x in policy.parameters())} parameters; SFT on seed families")
-    ctx.fit("sft", ctx.engine(policy, p.sft_lr), sft_step, sft_batch, p.sft_steps)
+    engine = ctx.engine(policy, p.sft_lr, steps=p.sft_steps, warmup=p.sft_warmup, decay=p.sft_decay)
+    ctx.fit("sft", engine, sft_step, sft_batch, p.sft_steps)
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
     arms = Arms([copy.deepcopy(policy) for _ in ARMS])
     n_mid = len(range(0, p.grpo_steps, p.eval_every))

@@ -88,21 +88,50 @@ def test_generator_is_deterministic_and_validator_checks_the_query():
 
 
 def test_stated_rule_is_the_spec_in_prefix_code_and_the_validator_skips_it():
-    """The rule code names every word of the spec once, outermost first; the prompt with the rule keeps the same
-    examples, query and answer, and parse / validate read the query past the code."""
+    """The rule code names every word of the spec once, outermost first, and opens the prompt; the prompt with the
+    rule keeps the same examples, query and answer, and parse / validate read past the code."""
     fam = ss.family(("if", "long", ("r", "max", ("even", "sort")), ("r", "sum", ("inc",))), "c", constrain=True,
                     fmt="mod10")
     assert ss.rule_code(fam) == "?GMse|Ti" and len(set(ss.RULE_CODE.values())) == len(ss.RULE_CODE)
     assert not set("".join(ss.RULE_CODE.values())) & set("0123456789>;:%?|")  # never a list, separator or marker
-    assert ss.rule_code(ss.family(("r", "len", ("even",)), "n", fmt="mod10")) == "%Le"  # a count can pass 9
+    # mod 10 is stated for a count only where the family's lists can reach 10 elements
+    assert ss.rule_code(ss.family(("r", "len", ("even",)), "n", fmt="mod10")) == "Le"  # at most 5: a digit
+    assert ss.rule_code(ss.family(("r", "len", ("even",)), "n", fmt="mod10", hi=8, knob="len")) == "%Le"
+    assert ss.rule_code(ss.family(("r", "ceven", ()), "n", fmt="mod10", hi=11)) == "%C"
     assert ss.rule_code(ss.family(("r", "max", ()), "m", fmt="mod10")) == "M"  # a digit already
     plain, stated = ss.generate(fam, 5, 2), ss.generate(fam, 5, 2, rule=True)
-    assert stated["prompt"] == plain["prompt"][: plain["prompt"].rindex(";") + 1] + "?GMse|Ti:" + \
-        plain["prompt"][plain["prompt"].rindex(";") + 1:]
+    assert stated["prompt"] == "?GMse|Ti:" + plain["prompt"]
     assert ss.parse(stated["prompt"]) == ss.parse(plain["prompt"]) and stated["answer"] == plain["answer"]
     assert [d for d in range(10) if ss.validate(fam, stated["prompt"], str(d))] == [int(stated["answer"])]
-    ids, lens = ss.encode([stated["prompt"]], "".join(sorted(set(stated["prompt"]))), 16)
-    assert lens.item() == 16  # a prompt cut to the policy's length keeps its tail: the rule and the query
+    alphabet = "".join(sorted(set(stated["prompt"])))
+    ids, lens = ss.encode([stated["prompt"]], alphabet, 24)
+    kept = ss.cut(stated["prompt"], 24)  # a prompt cut to the policy's length keeps the rule and the query
+    assert lens.item() == 24 and kept.startswith("?GMse|Ti:") and kept.endswith(plain["prompt"][-6:])
+
+
+def test_sft_targets_are_every_answer_of_a_stated_rule():
+    """With the rule stated, each solved example's answer is a target at its '>' and the query's at the end;
+    without it only the query's (the examples' answers cannot be read off the rule)."""
+    alphabet = "0123456789>;:M"
+    tgt = ss.answer_targets(["M:12>2;305>5;4>", "12>2;4>"], ["4", "4"], alphabet, 32)
+    ids, lens = ss.encode(["M:12>2;305>5;4>", "12>2;4>"], alphabet, 32)
+    assert tgt.shape == ids.shape == (2, 15)
+    code = {c: 1 + alphabet.index(c) for c in alphabet}
+    assert {j: v for j, v in enumerate(tgt[0].tolist()) if v != -100} == {4: code["2"], 10: code["5"], 14: code["4"]}
+    assert {j: v for j, v in enumerate(tgt[1].tolist()) if v != -100} == {6: code["4"]}
+    assert lens.tolist() == [15, 7]
+
+
+def test_padding_to_the_batch_changes_no_answer_logit():
+    """encode pads to the batch's longest prompt: a causal policy reads the same answer logits as at max_prompt."""
+    torch.manual_seed(0)
+    net = ss._policy(_p(), 1 + len(ss.CHARS)).eval()
+    prompts = ["12>3;45>9;7>", "1>1;2>"]
+    ids, lens = ss.encode(prompts, ss.CHARS, 80)
+    wide = torch.zeros(2, 80, dtype=torch.long)
+    wide[:, : ids.shape[1]] = ids
+    assert ids.shape[1] == 12
+    torch.testing.assert_close(ss.answer_logits(net, ids, lens), ss.answer_logits(net, wide, lens))
 
 
 def test_answer_prior_is_each_categorys_most_frequent_answer():
