@@ -339,6 +339,8 @@ class _SegmentField(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, b, sigma, size):
+        if sigma.numel() != 1:  # the backward sums sigma's gradient over every pixel and bone
+            raise ValueError(f"segment_field's written-out backward takes one sigma, got shape {tuple(sigma.shape)}")
         f, s, eu, ev = _field_terms(a, b, sigma, size)
         ctx.save_for_backward(f, s, eu, ev, sigma)
         return f
