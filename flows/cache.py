@@ -59,26 +59,34 @@ def _find_cached(paper: str, key: str) -> tuple[str, dict[str, str]] | None:
     return (run.info.run_id, run.data.tags) if run else None
 
 
-def lookup(asks: list[registry.RawRequest]) -> dict[str, PipelineResult]:
-    """The earlier finished run of exactly this work, per paper that has one (the others then run); unvalidated
-    params simply never match a finished run. One DVC repository (and one read of dvc.lock) serves every paper."""
-    start = time.perf_counter()
+def reusable(asks: list[registry.RawRequest]) -> dict[str, tuple[str, dict[str, str], str]]:
+    """Per paper that has one, the earlier finished run of exactly this work: (run id, tags, data hash). Reads
+    only; unvalidated params simply never match a finished run. One DVC repository (and one read of dvc.lock)
+    serves every paper."""
     stages = {ask.paper: [data.stage_location(ask.paper, ask.profile, ask.replicate_raw(i), ask.is_default and i == 0)
                           for i in range(ask.replicates)] for ask in asks}
     hashes = data.current_hashes([stage for per_paper in stages.values() for stage in per_paper])
     if not any(hashes.values()) or not tracking.store_exists():
         return {}
-    found: dict[str, PipelineResult] = {}
+    found = {}
     for ask in asks:
-        pid = ask.paper
-        replicate_hashes = [hashes[stage.target] for stage in stages[pid]]
+        replicate_hashes = [hashes[stage.target] for stage in stages[ask.paper]]
         data_hash = ",".join(replicate_hashes) if all(replicate_hashes) else None
-        cached = _find_cached(pid, ledger.pipeline_key(ask, data_hash)) if data_hash else None
-        if cached is None:
-            continue
-        run_id, tags = cached
+        cached = _find_cached(ask.paper, ledger.pipeline_key(ask, data_hash)) if data_hash else None
+        if cached is not None:
+            found[ask.paper] = (*cached, data_hash)
+    return found
+
+
+def lookup(asks: list[registry.RawRequest]) -> dict[str, PipelineResult]:
+    """The earlier finished run of exactly this work, per paper that has one (the others then run), stamped as
+    reused."""
+    start = time.perf_counter()
+    profiles = {ask.paper: ask.profile for ask in asks}
+    found: dict[str, PipelineResult] = {}
+    for pid, (run_id, tags, data_hash) in reusable(asks).items():
         tracking.mark_reused(run_id)
         print(f"[{pid}] unchanged code, params and data: reusing run {run_id} (use --force to retrain)",
               file=sys.stderr, flush=True)
-        found[pid] = PipelineResult.reused_run(run_id, tags, pid, ask.profile, data_hash, start)
+        found[pid] = PipelineResult.reused_run(run_id, tags, pid, profiles[pid], data_hash, start)
     return found

@@ -74,16 +74,38 @@ def scoreboard(profile: str | None = "smoke", plots_dir: Path | None = None) -> 
 NOT_RUN = "not run here"  # no finished run of the paper in this tracking store (never a row from elsewhere)
 
 
-def commit_summary(rows: list[Row], current: str) -> str:
-    """How many rows come from the code now checked out, and which are stale (with their commits). A checkout with
-    uncommitted changes is named `<commit>-dirty`: no row comes from it, and the header says why."""
+def commit_summary(rows: list[Row], current: str, unchanged: frozenset[str] = frozenset()) -> str:
+    """How many rows are current, and which are stale (with their commits). A row is current when it ran at the
+    commit checked out, or when `paperline run` would reuse its run now (`unchanged`: run ids whose code, params
+    and data are those of the checkout, as the cache key reads them): a later commit that only touched reports or
+    benchmarks leaves it current. A checkout with uncommitted changes is named `<commit>-dirty`."""
     ran = [r for r in rows if r.verdict != NOT_RUN]
-    stale = [r for r in ran if r.commit != current]
+    stale = [r for r in ran if r.commit != current and r.run_id not in unchanged]
     shown = current[:12] + ("-dirty" if current.endswith("-dirty") else "")
-    head = f"{len(ran) - len(stale)} of {len(ran)} rows from the current commit `{shown}`"
+    head = (f"{len(ran) - len(stale)} of {len(ran)} rows current at `{shown}` (run at this commit, or with the same "
+            "code, params and data, so `paperline run` would reuse them)")
     if not stale:
         return head + "."
     return head + "; stale: " + ", ".join(f"{r.paper} (`{r.commit[:12] or 'unknown'}`)" for r in stale) + "."
+
+
+def unchanged_runs(rows: list[Row]) -> frozenset[str]:
+    """The run ids among the rows that `paperline run` would reuse as they stand (rows run with `--set` overrides
+    are judged by their commit alone)."""
+    from flows import cache
+
+    asks = []
+    for r in rows:
+        if r.verdict != NOT_RUN and r.profile and not r.overrides:
+            try:
+                asks.append(registry.ask(r.paper, r.profile, None, settings.params_file()))
+            except registry.ConfigError:  # a profile params.yaml no longer has: judged by its commit
+                continue
+    try:
+        found = cache.reusable(asks)
+    except Exception:  # noqa: BLE001 - DVC or the store unreadable: the header falls back to commits
+        return frozenset()
+    return frozenset(run_id for run_id, _, _ in found.values())
 
 
 def _forest(run_id: str, target: Path) -> Path | None:
@@ -142,7 +164,7 @@ def write(rows: list[Row], out_dir: Path | None = None) -> tuple[Path, Path]:
     rows = ordered(rows)
     counts = {v: sum(r.verdict == v for r in rows) for v in ("holds", "does not hold", "inconclusive", NOT_RUN)}
     summary = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
-    commits = commit_summary(rows, tracking.git_commit())
+    commits = commit_summary(rows, tracking.git_commit(), unchanged_runs(rows))
     md = ["# paperline scoreboard", "", f"Tracking: `{settings.mask(settings.tracking_uri())}`. {summary}.", "",
           commits, "",
           "Each claim part: the paired effect (left minus the best right side, per replicate) with its 95 % "

@@ -105,5 +105,11 @@ def test_cli_run_prints_claim_line_and_report(workspace, prefect_harness, monkey
     assert "-> inconclusive: 1 replicate, no interval" in result.output  # the test profile: one replicate
     board = (workspace / "reports" / "scoreboard.md").read_text()
     assert "| sei |" in board
+    # a later commit that changed no training code, params or data (reports, benchmarks) leaves the row current
+    from flows import report
+
+    rows = [r for r in report.scoreboard("test") if r.paper == "sei"]
+    assert report.commit_summary(rows, "f" * 40, report.unchanged_runs(rows)).startswith("1 of 1 rows current")
+    assert "stale: sei" in report.commit_summary(rows, "f" * 40)
     listed = CliRunner().invoke(app, ["list"])
     assert listed.exit_code == 0 and "sei" in listed.output

@@ -230,11 +230,15 @@ def test_scoreboard_header_names_stale_rows_and_papers_not_run_here():
             Row("b", "", "", "", "inconclusive", "", "r2", "smoke", commit="d" * 40),
             Row("c", "", "", "", NOT_RUN, "", "", "smoke")]
     assert commit_summary(rows, "c" * 40) == \
-        f"1 of 2 rows from the current commit `{'c' * 12}`; stale: b (`{'d' * 12}`)."
-    assert commit_summary(rows[:1], "c" * 40).endswith("rows from the current commit `cccccccccccc`.")
+        f"1 of 2 rows current at `{'c' * 12}` (run at this commit, or with the same code, params and data, so " \
+        f"`paperline run` would reuse them); stale: b (`{'d' * 12}`)."
+    # a later commit that changed no training code, params or data: b's run would be reused, so it is current
+    assert commit_summary(rows, "c" * 40, frozenset({"r2"})).startswith("2 of 2 rows current")
+    assert commit_summary(rows[:1], "c" * 40).startswith("1 of 1 rows current at `cccccccccccc`")
     # uncommitted changes: the rows of that commit are not the checkout's, and the header shows the suffix
-    assert commit_summary(rows[:1], "c" * 40 + "-dirty").startswith("0 of 1 rows from the current commit "
-                                                                     "`cccccccccccc-dirty`; stale: a")
+    assert commit_summary(rows[:1], "c" * 40 + "-dirty").startswith("0 of 1 rows current at "
+                                                                     "`cccccccccccc-dirty`")
+    assert commit_summary(rows[:1], "c" * 40 + "-dirty").endswith("; stale: a (`cccccccccccc`).")
     assert NOT_RUN == "not run here"
 
 
