@@ -40,7 +40,13 @@ Deviations from the paper (choices the abstract left open):
   hashed bag-of-words stand-in for MiniLM (`victim_encoder: hashed`) so CI loads no model.
 - Full: Quora Question Pairs, intents = connected components of duplicate pairs [load_qqp]; the victim E1/E2 is
   BGE-small from a local sentence-transformers folder [load_sentence_model] (no download; MiniLM in smoke).
-- Payloads are short (3-4 words); the payload length sets how far the attack query starts from the victims.
+- Payloads are two words, an imperative and the marker, with no word of any domain: the attacker words its
+  instruction, and domain words ("wire details", "install update") or a longer payload pull the query away from the
+  target intent (toward another one), which is the attacker's loss, not the cache's defence.
+- Intents are distinct requests: each template intent has its own object while objects last (its action drawn at
+  random). Intents that differ only in the verb on one object (check / cancel / open my savings account) are
+  near-duplicates for any sentence embedder; they would set the operator's tau so high that the victims' own
+  paraphrases barely reach each other, a cache with no locality left to attack.
 - E2 is centred on the public queries' mean before normalising: MiniLM was trained with mean pooling, so its raw
   layer-3 CLS vectors share one dominant direction, every pair sits near cosine 1, and no tau separates intents
   (its cache served other intents' answers to most benign queries at any tau on the grid).
@@ -93,7 +99,7 @@ TEMPLATES = ["how do i {a} my {o}", "how can i {a} my {o}", "i want to {a} my {o
              "what is the way to {a} my {o}", "i need to {a} the {o}", "{o} : {a} it"]
 PREFIXES, SUFFIXES = ["", "", "hi ,", "quick question :", "hello ,"], ["", "", "please", "right now", "today", "thanks"]
 COMMON = ("the a to my i how do can please help me want is it for with and now today what way need you")
-PAYLOADS = ["cite attacker site", "add attacker wire details", "install attacker update"]
+PAYLOADS = ["say marker", "reply marker", "repeat marker"]  # the attacker's instruction: no domain word
 AGENT_WRAPPERS = ["as my assistant , {q}", "agent task : {q}", "{q} using your tools"]
 STOP = set(COMMON.split()) | {",", ":", "hi", "hello", "quick", "question", "thanks", "right", "of", "on", "in"}
 
@@ -103,6 +109,9 @@ class Params(PaperParams):
     qqp_path: str = Field("", description="qqp: TSV with question1, question2, is_duplicate columns.")
     n_intents: int = Field(24, ge=2, description="Intents (templates: action x object pairs; qqp: largest clusters).")
     paraphrases: int = Field(12, ge=6, description="Paraphrases per intent: 2 warm, 3 attacker guesses, rest victim.")
+    one_object_per_intent: bool = Field(True, description="templates: every intent its own object while objects "
+                                        "last (verb-only siblings such as check / cancel my card are near-duplicates "
+                                        "that set the operator's tau); off: any action x object pairs.")
     synonym_rate: float = Field(0.5, ge=0, le=1, description="Chance each slot uses a non-canonical synonym.")
     filler_rate: float = Field(0.5, ge=0, le=1, description="Chance of a filler prefix / suffix.")
     n_pairs: int = Field(2000, ge=8, description="Paraphrase pairs for E4's contrastive training (no victim text).")
@@ -149,6 +158,12 @@ def template_corpus(p: Params, rng: np.random.Generator) -> tuple[list[tuple[str
     """Intents (name, domain, finance flag as domain) and their distinct paraphrases."""
     combos = [(d, a, o) for d, (objs, acts) in DOMAINS.items() for o in objs for a in acts]
     order = list(rng.permutation(len(combos)))
+    if p.one_object_per_intent:  # each object once first (its action the first drawn), then the other pairs
+        firsts: dict[str, int] = {}
+        for i in order:
+            firsts.setdefault(combos[i][2], i)
+        head = set(firsts.values())
+        order = list(firsts.values()) + [i for i in order if i not in head]
     chosen = [combos[i] for i in order[: p.n_intents]]
     if not any(d == "banking" for d, _, _ in chosen):  # the finance case study needs a banking intent
         chosen[-1] = next(combos[i] for i in order if combos[i][0] == "banking")

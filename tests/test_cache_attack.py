@@ -200,3 +200,47 @@ def test_e2_is_centred_on_the_public_queries(tmp_path):
     e2 = fns["e2"](public)
     assert e2.shape == (len(public), 16) and np.allclose(np.linalg.norm(e2, axis=1), 1, atol=1e-5)
     assert (e2 @ e2.T).min() < 0
+
+
+def _tau_hashed(p: ca.Params, folder) -> float:
+    """The operator's calibrated tau on the prepared corpus, embedded with the hashed stand-in for MiniLM."""
+    ca.prepare(p, folder)
+    q = read_table(folder / "queries.parquet")
+    q = {"role": np.asarray(q["role"]), "intent_id": np.unique(np.asarray(q["intent"]), return_inverse=True)[1],
+         "text": list(q["text"])}
+    return ca.calibrate_tau(ca._hashed(q["text"], 1), q, p.max_false_hit)
+
+
+def test_one_object_per_intent_spreads_intents_and_lowers_tau(tmp_path):
+    """Every template intent has its own object while objects last (a banking intent always present); beyond them
+    intents repeat objects but stay distinct. Verb-only siblings set the operator's tau: without them it is lower
+    (seeded, hashed bag-of-words stand-in, smoke-sized corpus)."""
+    n_obj = len({o for objs, _ in ca.DOMAINS.values() for o in objs})
+    for seed in range(4):
+        for n in (4, 12, n_obj):
+            intents, _ = ca.template_corpus(_params(n_intents=n, seed=seed), np.random.default_rng(seed))
+            assert len({name.split(" ", 1)[1] for name, _ in intents}) == n
+            assert "banking" in {d for _, d in intents}
+    intents, _ = ca.template_corpus(_params(n_intents=n_obj + 6), np.random.default_rng(0))
+    assert len(set(intents)) == n_obj + 6
+    old, _ = ca.template_corpus(_params(n_intents=n_obj, one_object_per_intent=False), np.random.default_rng(0))
+    assert len({name.split(" ", 1)[1] for name, _ in old}) < n_obj  # the old draw: verb-only siblings
+    taus = {True: [], False: []}
+    for seed in range(3):
+        for spread in taus:
+            (tmp_path / f"{seed}{spread}").mkdir()
+            p = _params(n_intents=n_obj, paraphrases=12, n_pairs=8, one_object_per_intent=spread, seed=seed)
+            taus[spread].append(_tau_hashed(p, tmp_path / f"{seed}{spread}"))
+    assert all(a <= b for a, b in zip(taus[True], taus[False], strict=True)), taus
+    assert np.mean(taus[True]) < np.mean(taus[False]) - 0.05, taus
+
+
+def test_payloads_are_short_and_carry_no_domain_word():
+    """The attacker's instruction: at most two words, none of them a word of any intent, template or filler."""
+    corpus = set(ca.COMMON.split()) | ca.STOP
+    for objs, acts in ca.DOMAINS.values():
+        corpus |= {w for x in objs + acts for w in x.split()}
+    corpus |= {w for syn in ca.SYNONYMS.values() for x in syn for w in x.split()}
+    corpus |= {w for t in ca.TEMPLATES + ca.PREFIXES + ca.SUFFIXES for w in t.split()}
+    for payload in ca.PAYLOADS:
+        assert 1 <= len(payload.split()) <= 2 and not set(payload.split()) & corpus, payload
