@@ -12,7 +12,7 @@ What it implements (function names in brackets):
   in AlphaFold, so a chain of up to 33 residues sees every offset) and offsets from token-weighted third residues
   [AnchorPositions], 2 axial-attention blocks;
 - (a) deterministic AF-like decoder [DetDecoder, classical_mds]: MLP z_ij -> distance (MSE), coordinates by
-  classical MDS, MC dropout for the K "seeds";
+  classical MDS, MC dropout for the K "seeds", one mask per structure [StructureDropout];
 - (b) generative BioEmu-like decoder [Denoiser]: diffusion over centred coordinates with EDM's preconditioning
   and loss [denoise, diffusion_loss], an EGNN-lite network conditioned on z_ij, 10-step deterministic DDIM
   sampling [sample_structures]; (c) the same decoder retrained from scratch on (b)'s frozen, cached trunk
@@ -383,13 +383,30 @@ class Trunk(nn.Module):
         return s, z
 
 
+class StructureDropout(nn.Module):
+    """Dropout with one mask per structure: a hidden unit is dropped for every residue pair of the chain at once, so
+    an MC-dropout draw is one sub-network predicting the whole distance matrix (a coherent structure, as one of
+    AF3's seeds gives), not independent noise on each distance, which classical MDS turns into a crumpled chain.
+    Training draws its masks the same way, so the sampled sub-networks are the trained ones."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, ..., H): one mask per row b over the last axis
+        if not self.training or self.p == 0:
+            return x
+        keep = torch.rand(x.shape[0], *([1] * (x.dim() - 2)), x.shape[-1], device=x.device) >= self.p
+        return x * keep / (1 - self.p)
+
+
 class DetDecoder(nn.Module):
     """(a): symmetric pair MLP -> distances (Angstrom / 10); the last hidden layer is what the probe reads."""
 
     def __init__(self, d_z: int, hidden: int, dropout: float):
         super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(d_z, hidden), nn.ReLU(), nn.Dropout(dropout),
-                                 nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(dropout))
+        self.mlp = nn.Sequential(nn.Linear(d_z, hidden), nn.ReLU(), StructureDropout(dropout),
+                                 nn.Linear(hidden, hidden), nn.ReLU(), StructureDropout(dropout))
         self.out = nn.Linear(hidden, 1)
 
     def forward(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

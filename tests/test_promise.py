@@ -415,3 +415,29 @@ def test_anchor_positions_take_the_decoder_past_the_offset_plateau(tmp_path):
     finally:
         torch.set_num_threads(threads)
     assert np.mean(losses[-25:]) < 0.4 * plateau, (np.mean(losses[-25:]), plateau)
+
+
+def test_mc_dropout_draws_one_sub_network_per_structure():
+    """(a)'s MC dropout: in a draw, a hidden unit is dropped for every residue pair of a structure or for none, and
+    two structures of a batch draw their own masks; the mean is kept (inverted scaling), evaluation is the identity.
+    A draw is then a coherent structure: with the same rate, per-structure masks crumple the MDS chain far less
+    than a mask per distance does."""
+    torch.manual_seed(0)
+    drop = pm.StructureDropout(0.5)
+    x = torch.ones(2, 5, 5, 64)
+    y = drop(x)
+    kept = y[:, 0, 0] > 0  # (B, H)
+    assert torch.equal(y > 0, kept[:, None, None].expand_as(y))  # one mask over all pairs of a structure
+    assert not torch.equal(kept[0], kept[1]) and set(y.unique().tolist()) <= {0.0, 2.0}
+    assert drop.eval()(x) is x
+    a, _ = pm.fold_states(_seq(20, 10, "ligand"), (80.0, 140.0))
+    dist = torch.from_numpy(np.linalg.norm(a[:, None] - a[None], axis=-1)).float()[None, ..., None] / 10
+    per_structure, per_pair = [], []
+    for seed in range(5):  # a "decoder" whose last hidden layer is the true distance repeated: MC draws of it
+        torch.manual_seed(seed)
+        h = dist.expand(1, 20, 20, 32)
+        d1 = pm.StructureDropout(0.2).train()(h).mean(-1)[0] * 10
+        d2 = torch.nn.Dropout(0.2).train()(h).mean(-1)[0] * 10
+        per_structure.append(pm.kabsch_rmsd(pm.classical_mds(d1.numpy()), a))
+        per_pair.append(pm.kabsch_rmsd(pm.classical_mds(((d2 + d2.T) / 2).numpy()), a))
+    assert np.mean(per_structure) < 0.5 * np.mean(per_pair)
