@@ -200,7 +200,7 @@ def test_an_untrained_deterministic_decoder_already_passes_finding_2(tmp_path):
     conds, _ = pm._conditions(d, test)
     torch.manual_seed(p.seed)
     systems = pm.Systems(p).eval()  # never trained
-    out = pm._samples(p, systems, pm.Debiased(p, systems.gen_trunk, systems.ab), pm._inputs(d, conds),
+    out = pm._samples(p, systems, pm.Debiased(p, systems.gen_trunk), pm._inputs(d, conds),
                       np.array([len(s) for s in t["sequence"][test]]))
     refs = [(d["refs"][(tid, "A")], d["refs"][(tid, "B")]) for tid in t["target_id"][test]]
     rmsd = np.stack([np.resize(pm._rmsd_to_refs(x, *r), (p.k_samples, 2)) for x, r in zip(out["det"], refs,
@@ -320,3 +320,124 @@ def test_beating_the_nearest_structure_takes_the_hinge_position(tmp_path):
     nearest, offset, hinge_aware = (float(np.mean(rmsd[k])) for k in ("nearest", "offset", "hinge"))
     assert offset > 0.9 * nearest  # the offset solution does not beat copying the nearest training structure
     assert hinge_aware < 0.5 * nearest  # the hinge's position does
+
+
+def test_anchor_positions_embed_each_pairs_offsets_from_a_marked_residue():
+    """The trunk's anchor features: with the score reading one token feature (a mark on residue h), pair (i, j)
+    gets exactly the table's cell for (i - h, j - h); residues of the padding carry no weight even if marked."""
+    d_s, d_z, r, n, h = 4, 3, 16, 6, 2
+    anchor = pm.AnchorPositions(d_s, d_z, anchors=1, max_rel=r)
+    with torch.no_grad():
+        anchor.score.weight.zero_(), anchor.score.bias.zero_()
+        anchor.score.weight[0, 0] = 1.0
+    tok = torch.zeros(2, n + 2, d_s)
+    tok[:, h, 0] = 1.0
+    tok[1, n:, 0] = 1.0  # marked padding of the second chain
+    mask = torch.ones(2, n + 2, dtype=torch.bool)
+    mask[1, n:] = False
+    out = anchor(tok, mask).detach()
+    cell = lambda i, j: anchor.table[0, (i - h + r) * (2 * r + 1) + (j - h + r)]  # noqa: E731
+    for i in range(n):
+        for j in range(n):
+            assert torch.allclose(out[1, i, j], cell(i, j)) and torch.allclose(out[0, i, j], cell(i, j))
+    w = anchor.weights(tok, mask)
+    assert w.shape == (2, 1, n + 2) and (w[1, 0, n:] == 0).all()
+
+
+def test_edm_sampler_schedule_and_an_ideal_denoiser():
+    """The sampling levels run from sigma_max to sigma_min (rho spacing) then 0, most of them below the chains'
+    own coordinate scale (where the structure's detail is decided); with the ideal denoiser of a one-structure
+    world the Euler/DDIM sampler returns that structure from any noise and the loss is zero."""
+    p = pm.Params(sample_steps=10)
+    lv = pm.noise_levels(p, p.sample_steps)
+    assert lv.shape == (11,) and lv[-1] == 0 and (lv[1:] < lv[:-1]).all()
+    assert np.isclose(float(lv[0]), p.sigma_max / 10) and np.isclose(float(lv[-2]), p.sigma_min / 10, rtol=1e-4)
+    assert int((lv[:-1] < p.sigma_data / 10).sum()) >= p.sample_steps // 2
+    torch.manual_seed(0)
+    mask = torch.ones(3, 9, dtype=torch.bool)
+    mask[2, 7:] = False
+    x0 = pm.centred_noise((3, 9, 3), mask) * 0.5
+    sd = p.sigma_data / 10
+
+    class Ideal(torch.nn.Module):
+        def pair_bias(self, z):
+            return z
+
+        def forward(self, x_in, c_noise, s, z, bias, mask):
+            c_skip, c_out, c_in, _ = pm.edm_coefficients((4 * c_noise).exp(), sd)
+            return (x0[: len(x_in)] - c_skip * x_in / c_in) / c_out
+
+    noise = pm.centred_noise((3, 9, 3), mask, torch.Generator().manual_seed(1))
+    out = pm.sample_structures(p, Ideal(), None, torch.zeros(3), mask, noise)
+    assert torch.allclose(out, x0, atol=1e-5)
+    assert float(pm.diffusion_loss(Ideal(), x0, None, torch.zeros(3), mask, torch.ones(3), sd)) < 1e-8
+
+
+def test_anchor_positions_take_the_decoder_past_the_offset_plateau(tmp_path):
+    """Why the trunk has anchor features: with one state shown (the induced rows without context: no exposure
+    noise), a distance regressor that knows only the offset |i - j| and the length cannot go below the mean
+    squared deviation within those groups (the plateau (a) reached without them); with anchor features (a)'s trunk
+    and decoder go well below it in a short run, so they learn where the hinge lies (tested in the world of the
+    next test: that is what beating the nearest structure takes)."""
+    from collections import defaultdict
+
+    p = pm.Params(n_targets=150, n_test=5, length=(16, 24), examples=2, d_s=16, d_z=16, hidden=32, seed=2)
+    pm.prepare(p, tmp_path)
+    d = pm._load(tmp_path)
+    t = d["t"]
+    rows = np.flatnonzero((t["split"] == "train") & (t["mechanism"] != "intrinsic") & (t["context_tokens"] == ""))
+    conds, cor = pm._conditions(d, rows)
+    inputs, x0 = pm._inputs(d, conds), pm._padded(d, [(t["target_id"][r], "A") for r in rows])
+    groups = defaultdict(list)  # the offset-and-length plateau: MSE around each (length, i - j) group's mean
+    for tid in dict.fromkeys(t["target_id"][rows]):
+        x = d["refs"][(tid, "A")] / 10
+        for (i, j), v in np.ndenumerate(np.linalg.norm(x[:, None] - x[None], axis=-1)):
+            groups[(len(x), i - j)].append(v)
+    plateau = sum(np.var(v) * len(v) for v in groups.values()) / sum(len(v) for v in groups.values())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        trunk, dec = pm.Trunk(p.d_s, p.d_z, anchors=p.anchors), pm.DetDecoder(p.d_z, p.hidden, 0.0)
+        opt = torch.optim.AdamW([*trunk.parameters(), *dec.parameters()], lr=5e-3, weight_decay=0.0)
+        g, losses = torch.Generator().manual_seed(0), []
+        for _ in range(150):
+            idx = torch.randint(0, len(rows), (16,), generator=g)
+            seq, xx = inputs["seq"][cor[idx]], x0[idx]
+            mask = seq > 0
+            pair = (mask[:, :, None] & mask[:, None]).float()
+            dist, _ = dec(trunk(seq, inputs["ctx"][cor[idx]])[1])
+            loss = ((dist - torch.cdist(xx, xx)) ** 2 * pair).sum() / pair.sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+    finally:
+        torch.set_num_threads(threads)
+    assert np.mean(losses[-25:]) < 0.4 * plateau, (np.mean(losses[-25:]), plateau)
+
+
+def test_mc_dropout_draws_one_sub_network_per_structure():
+    """(a)'s MC dropout: in a draw, a hidden unit is dropped for every residue pair of a structure or for none, and
+    two structures of a batch draw their own masks; the mean is kept (inverted scaling), evaluation is the identity.
+    A draw is then a coherent structure: with the same rate, per-structure masks crumple the MDS chain far less
+    than a mask per distance does."""
+    torch.manual_seed(0)
+    drop = pm.StructureDropout(0.5)
+    x = torch.ones(2, 5, 5, 64)
+    y = drop(x)
+    kept = y[:, 0, 0] > 0  # (B, H)
+    assert torch.equal(y > 0, kept[:, None, None].expand_as(y))  # one mask over all pairs of a structure
+    assert not torch.equal(kept[0], kept[1]) and set(y.unique().tolist()) <= {0.0, 2.0}
+    assert drop.eval()(x) is x
+    a, _ = pm.fold_states(_seq(20, 10, "ligand"), (80.0, 140.0))
+    dist = torch.from_numpy(np.linalg.norm(a[:, None] - a[None], axis=-1)).float()[None, ..., None] / 10
+    per_structure, per_pair = [], []
+    for seed in range(5):  # a "decoder" whose last hidden layer is the true distance repeated: MC draws of it
+        torch.manual_seed(seed)
+        h = dist.expand(1, 20, 20, 32)
+        d1 = pm.StructureDropout(0.2).train()(h).mean(-1)[0] * 10
+        d2 = torch.nn.Dropout(0.2).train()(h).mean(-1)[0] * 10
+        per_structure.append(pm.kabsch_rmsd(pm.classical_mds(d1.numpy()), a))
+        per_pair.append(pm.kabsch_rmsd(pm.classical_mds(((d2 + d2.T) / 2).numpy()), a))
+    assert np.mean(per_structure) < 0.5 * np.mean(per_pair)
