@@ -7,7 +7,9 @@ paper what its MLflow pipeline run recorded.
 
 Writes benchmarks/results/suite_run.json (`python benchmarks/tables.py suite_run` renders it): per setting the
 wall seconds, user + system CPU seconds of every process of the command (`/usr/bin/time -v`), core busyness
-(CPU / (wall x cores)), the largest process's peak RSS, the machine's load average before it started, and per
+(CPU / (wall x cores)), the largest process's peak RSS, the machine's load average before it started, what else
+the machine ran meanwhile (`other_cpu_s`: its busy CPU seconds less the suite's; `niced_cpu_s`: of the machine's,
+in niced processes; the kernel's autogroup setting, which decides whether nice keeps such work off), and per
 paper its pipeline run's wall, `time/{prepare,train,evaluate,total}_s`, CPU seconds a replicate (mean, max), the
 training steps a second of each phase (`timing/train/<phase>/steps_per_s`, mean over replicates), the replicate
 count and the verdict with its reason.
@@ -67,21 +69,51 @@ def _commit() -> str:
     return commit[:7] + ("+dirty" if commit.endswith("-dirty") else "")
 
 
+def cpu_seconds(proc_stat: str, hz: int) -> dict[str, float]:
+    """CPU seconds the machine has spent since boot, from /proc/stat's aggregate `cpu` line: busy (user, nice,
+    system, irq, softirq: every state but idle, iowait and time stolen by the hypervisor) and, of it, niced."""
+    user, nice, system, _idle, _iowait, irq, softirq = map(int, proc_stat.split("\n", 1)[0].split()[1:8])
+    return {"busy_s": (user + nice + system + irq + softirq) / hz, "niced_s": nice / hz}
+
+
+def machine_cpu() -> dict[str, float]:
+    return cpu_seconds(Path("/proc/stat").read_text(), os.sysconf("SC_CLK_TCK"))
+
+
+def autogroup() -> str:
+    """The kernel's autogroup scheduling (1: each session gets a fair share whatever its nice value, so a `nice`d
+    job elsewhere still takes up to a core from the suite)."""
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip()
+    except OSError:
+        return "absent"
+
+
 def run_suite(parallel: int) -> dict:
     command = ["/usr/bin/time", "-v", str(ROOT / ".venv" / "bin" / "paperline"), "run", "--all", "--force",
                "--parallel", str(parallel)]
     load_before, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    if autogroup() == "1":
+        print("warning: kernel autogroup is on, so a niced job in another session still shares the cores fairly: "
+              "run nothing else, or `echo 0 > /proc/sys/kernel/sched_autogroup_enabled`", flush=True)
     started_ms = int(time.time() * 1000)
+    machine_before = machine_cpu()
     start = time.perf_counter()
     (ROOT / "runs").mkdir(exist_ok=True)
     with open(ROOT / "runs" / f"suite_run.parallel_{parallel}.log", "w") as log:  # the console, to follow it
         done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.PIPE, text=True)
     wall = time.perf_counter() - start
+    machine_after = machine_cpu()
     cpu = _seconds(done.stderr, "User time") + _seconds(done.stderr, "System time")
+    # what else the machine ran meanwhile: its busy CPU less the suite's own (kernel threads and this script make a
+    # few seconds on a quiet machine; a helper's job shows here, and under `niced` when it ran niced)
+    other = machine_after["busy_s"] - machine_before["busy_s"] - cpu
+    niced = machine_after["niced_s"] - machine_before["niced_s"]
     peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr)
     papers = collect(started_ms, int(time.time() * 1000))
     return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "cores": cores,
             "core_busy": round(cpu / (wall * cores), 3), "load_1m_before": round(load_before, 2),
+            "other_cpu_s": round(other, 1), "niced_cpu_s": round(niced, 1), "sched_autogroup": autogroup(),
             "exit_code": done.returncode, "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "commit": _commit(),
             "peak_rss_mb_largest_process": round(int(peak.group(1)) / 1024) if peak else None,

@@ -34,12 +34,12 @@ def suite() -> str:
 
 def suite_run() -> str:
     results = json.loads((RESULTS / "suite_run.json").read_text())
-    lines = ["| setting | commit | measured | wall min | CPU s | cores busy | load before | papers finished | exit |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| setting | commit | measured | wall min | CPU s | cores busy | load before | other CPU s (niced) | "
+             "papers finished | exit |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     settings = {k: v for k, v in results.items() if k.startswith("parallel_") and "cpu_s" in v}
     for key, r in settings.items():
         lines.append(f"| {key.replace('_', ' ')} | {r['commit']} | {r['measured_at']} | {r['wall_s'] / 60:.1f} | "
-                     f"{r['cpu_s']:.0f} | {100 * r['core_busy']:.0f} % | {r['load_1m_before']} | "
+                     f"{r['cpu_s']:.0f} | {100 * r['core_busy']:.0f} % | {r['load_1m_before']} | {_other(r)} | "
                      f"{r['papers_finished']} | {r.get('exit_code', '')} |")
     lines += [f"\n`{key}`: {r['note']}" for key, r in settings.items() if r.get("note")]
     for key, r in ((k, r) for k, r in settings.items() if r.get("papers")):
@@ -63,6 +63,13 @@ def suite_run() -> str:
                      f"{cached['load_1m_before']}): `paperline run --all` {' / '.join(map(str, cached['all_s']))} s "
                      f"(target 30), `paperline run sei` {' / '.join(map(str, cached['one_paper_s']))} s (target 2).")
     return "\n".join(lines)
+
+
+def _other(r: dict) -> str:
+    """What else the machine ran during a suite (recorded since 2026-12-08; blank before)."""
+    if "other_cpu_s" not in r:
+        return ""
+    return f"{r['other_cpu_s']:.0f} ({r['niced_cpu_s']:.0f}), autogroup {r['sched_autogroup']}"
 
 
 def step_cost() -> str:
